@@ -1,0 +1,28 @@
+"""Communication: process groups per rank set, collectives, metadata exchange, counters."""
+
+from sbp.comm.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    exchange_p2p,
+    reduce_scatter,
+)
+from sbp.comm.groups import get_group
+from sbp.comm.meta import exchange
+from sbp.comm.stats import CommStats, comm_stats
+
+__all__ = [
+    "CommStats",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "comm_stats",
+    "exchange",
+    "exchange_p2p",
+    "get_group",
+    "reduce_scatter",
+]

@@ -1,0 +1,126 @@
+"""Rank, world size and local rank; process-group start-up from torchrun or Slurm variables.
+
+`init()` runs implicitly on first use. With no launcher variables the world is
+one process and no process group is created, so single-device scripts run
+unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from sbp.errors import SbpError
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+_state: dict = {"ready": False, "rank": 0, "world": 1, "local_rank": 0, "timeout": DEFAULT_TIMEOUT}
+
+
+def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
+    raise SbpError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as `gpu[03-05,07],cpu1`."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise SbpError(f"cannot parse SLURM_NODELIST {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _launcher_vars() -> dict | None:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {
+            "rank": int(env["RANK"]),
+            "world": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", 0)),
+        }
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")))
+        env.setdefault("MASTER_PORT", "29500")
+        return {
+            "rank": int(env["SLURM_PROCID"]),
+            "world": int(env["SLURM_NTASKS"]),
+            "local_rank": int(env.get("SLURM_LOCALID", 0)),
+        }
+    return None
+
+
+def default_backend() -> str:
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
+    """Start (or adopt) the default process group. Idempotent; a new `timeout` is kept."""
+    if timeout is not None or not _state["ready"]:
+        _state["timeout"] = _as_timedelta(timeout)
+    if _state["ready"]:
+        return
+    if dist.is_available() and dist.is_initialized():
+        _state.update(rank=dist.get_rank(), world=dist.get_world_size())
+        _state["local_rank"] = int(os.environ.get("LOCAL_RANK", _state["local_rank"]))
+        _state["ready"] = True
+        return
+    found = _launcher_vars()
+    if found is None or found["world"] == 1:
+        found = found or {"rank": 0, "world": 1, "local_rank": 0}
+        _state.update(found, ready=True)
+        return
+    dist.init_process_group(
+        backend=backend or default_backend(),
+        init_method="env://",
+        rank=found["rank"],
+        world_size=found["world"],
+        timeout=_state["timeout"],
+    )
+    _state.update(found, ready=True)
+
+
+def _ensure() -> None:
+    if not _state["ready"]:
+        init()
+
+
+def get_rank() -> int:
+    _ensure()
+    return _state["rank"]
+
+
+def get_world_size() -> int:
+    _ensure()
+    return _state["world"]
+
+
+def get_local_rank() -> int:
+    _ensure()
+    return _state["local_rank"]
+
+
+def get_timeout() -> datetime.timedelta:
+    return _state["timeout"]
+
+
+def is_distributed() -> bool:
+    """True when a process group is running (world > 1 or adopted)."""
+    _ensure()
+    return dist.is_available() and dist.is_initialized()
+
+
+def reset() -> None:
+    """Forget the adopted state (tests and worker pools that re-create the world)."""
+    _state.update(ready=False, rank=0, world=1, local_rank=0, timeout=DEFAULT_TIMEOUT)

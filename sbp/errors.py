@@ -1,0 +1,25 @@
+"""The exceptions of `sbp`: every one names the argument that was wrong."""
+
+
+class SbpError(Exception):
+    """Base class of every error `sbp` raises on purpose."""
+
+
+class PlacementError(SbpError, ValueError):
+    """A bad placement, or tensors on different placements mixed in one op."""
+
+
+class SbpSignatureError(SbpError, ValueError):
+    """A bad SBP or nd_sbp: split dim out of range, wrong length, wrong type."""
+
+
+class MetaMismatchError(SbpError, RuntimeError):
+    """Ranks of one placement disagree on a tensor's dtype, shape, device or sbp."""
+
+
+class DeviceMismatchError(SbpError, ValueError):
+    """A local tensor's device does not match its placement's device type."""
+
+
+class CommTimeoutError(SbpError, RuntimeError):
+    """A collective outlived the timeout given to `sbp.env.init`."""

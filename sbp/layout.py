@@ -1,0 +1,100 @@
+"""Shape and slice arithmetic of global tensors: which part of the logical tensor each rank holds.
+
+Uneven splits are balanced: `d` over `n` parts gives `d // n + 1` to the first
+`d % n` parts and `d // n` to the rest. For an n-D placement the tensor is split
+by the first hierarchy dim, then each part by the next, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sbp.errors import PlacementError
+from sbp.placement import placement as Placement
+from sbp.signature import NdSbp, normalize_nd_sbp
+
+
+def balanced_sizes(size: int, parts: int) -> list[int]:
+    """Sizes of `parts` balanced shards of `size` (larger ones first)."""
+    base, extra = divmod(size, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def balanced_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of shard `index` of `size` split in `parts` balanced shards."""
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def _coord(placement: Placement, coord: Any) -> tuple[int, ...]:
+    if isinstance(coord, int) and not isinstance(coord, bool):
+        coord = (coord,)
+    coord = tuple(coord)
+    if len(coord) != placement.ndim or any(
+        not 0 <= c < n for c, n in zip(coord, placement.hierarchy, strict=True)
+    ):
+        raise PlacementError(f"coord {coord} is outside hierarchy {placement.hierarchy}")
+    return coord
+
+
+def local_ranges(
+    shape: Sequence[int], hierarchy: Sequence[int], nd_sbp: NdSbp, coord: Sequence[int]
+) -> list[tuple[int, int]]:
+    """[start, stop) per tensor dim held at `coord` (nd_sbp already normalised)."""
+    ranges = [(0, int(d)) for d in shape]
+    for h, s in enumerate(nd_sbp):
+        if s.is_split:
+            start, stop = ranges[s.dim]
+            a, b = balanced_range(stop - start, hierarchy[h], coord[h])
+            ranges[s.dim] = (start + a, start + b)
+    return ranges
+
+
+def local_slices(
+    shape: Sequence[int], placement: Placement, nd_sbp: Any, coord: Any
+) -> tuple[slice, ...]:
+    """The slice of the logical tensor held at hierarchy `coord` (a tuple, or an int for 1-D)."""
+    nd = normalize_nd_sbp(nd_sbp, placement.ndim, len(shape))
+    ranges = local_ranges(shape, placement.hierarchy, nd, _coord(placement, coord))
+    return tuple(slice(a, b) for a, b in ranges)
+
+
+def local_shape(
+    shape: Sequence[int], placement: Placement, nd_sbp: Any, coord: Any
+) -> tuple[int, ...]:
+    """Shape of the local tensor held at hierarchy `coord`."""
+    return tuple(s.stop - s.start for s in local_slices(shape, placement, nd_sbp, coord))
+
+
+def rank_slices(
+    shape: Sequence[int], placement: Placement, nd_sbp: NdSbp, rank: int
+) -> tuple[slice, ...]:
+    """`local_slices` addressed by rank instead of coordinate."""
+    return local_slices(shape, placement, nd_sbp, placement.coord(rank))
+
+
+def logical_size_along(
+    local_sizes: Sequence[int], hierarchy: Sequence[int], nd_sbp: NdSbp, dim: int
+) -> int:
+    """Logical size of `dim` from every coordinate's local size of that dim (row-major order).
+
+    Summing the locals of the coordinates whose split-on-`dim` hierarchy coords vary
+    and whose others are 0 gives the logical size.
+    """
+    split_dims = [h for h, s in enumerate(nd_sbp) if s.is_split and s.dim == dim]
+    if not split_dims:
+        return int(local_sizes[0])
+    total = 0
+    import itertools
+
+    for combo in itertools.product(*[range(hierarchy[h]) for h in split_dims]):
+        coord = [0] * len(hierarchy)
+        for h, c in zip(split_dims, combo, strict=True):
+            coord[h] = c
+        index = 0
+        for c, n in zip(coord, hierarchy, strict=True):
+            index = index * n + c
+        total += int(local_sizes[index])
+    return total

@@ -1,0 +1,170 @@
+"""Collective wrappers, process groups per rank set, counters and metadata exchange on 4 ranks."""
+
+import pytest
+import torch
+
+import sbp
+from sbp import comm
+from sbp.comm import cost
+from sbp.testing import SpmdError, SpmdPool
+
+
+def _gather_in_placement_order(ranks):
+    me = sbp.env.get_rank()
+    if me not in ranks:
+        return None
+    out = torch.empty(len(ranks), 2)
+    with sbp.comm_stats() as st:
+        comm.all_gather(out, torch.full((1, 2), float(me)), tuple(ranks))
+    return out[:, 0].tolist(), st.calls, st.bytes
+
+
+@pytest.mark.parametrize("ranks", [[0, 1, 2, 3], [3, 1], [2, 0, 3], [1]])
+def test_all_gather_follows_placement_order(pool4, ranks):
+    results = pool4.run(_gather_in_placement_order, ranks)
+    for rank, res in enumerate(results):
+        if rank not in ranks:
+            assert res is None
+            continue
+        values, calls, nbytes = res
+        assert values == [float(r) for r in ranks]
+        n = len(ranks)
+        assert calls == (1 if n > 1 else 0)
+        assert nbytes == cost.all_gather_bytes(n, 2 * 4)
+
+
+def _reductions():
+    me = sbp.env.get_rank()
+    ranks = (0, 1, 2, 3)
+    out = {}
+    for op in ("sum", "max", "min"):
+        t = torch.tensor([me, -me, me * me], dtype=torch.float32)
+        out[op] = comm.all_reduce(t, op, ranks).tolist()
+    rs = torch.empty(2)
+    comm.reduce_scatter(rs, torch.arange(8, dtype=torch.float32) * (me + 1), "sum", ranks)
+    out["reduce_scatter"] = rs.tolist()
+    b = torch.full((3,), float(me))
+    comm.broadcast(b, 2, (3, 2, 1)) if me in (1, 2, 3) else None
+    out["broadcast"] = b.tolist()
+    return out
+
+
+def test_reductions_and_broadcast(pool4):
+    results = pool4.run(_reductions)
+    for rank, res in enumerate(results):
+        assert res["sum"] == [6.0, -6.0, 14.0]
+        assert res["max"] == [3.0, 0.0, 9.0]
+        assert res["min"] == [0.0, -3.0, 0.0]
+        expected = (torch.arange(8, dtype=torch.float32) * 10)[2 * rank : 2 * rank + 2]
+        assert res["reduce_scatter"] == expected.tolist()
+        assert res["broadcast"] == ([2.0] * 3 if rank else [0.0] * 3)
+
+
+def _uneven_all_to_all():
+    me = sbp.env.get_rank()
+    ranks = (0, 1, 2, 3)
+    # rank r sends (j + 1) rows to rank j, each row holding (r, j)
+    send = torch.cat([torch.tensor([[me, j]] * (j + 1), dtype=torch.float32) for j in range(4)])
+    recv = torch.empty(4 * (me + 1), 2)
+    with sbp.comm_stats() as st:
+        comm.all_to_all(recv, send, [me + 1] * 4, [j + 1 for j in range(4)], ranks)
+    return recv.tolist(), st.by_kind["all_to_all"], st.bytes
+
+
+def test_uneven_all_to_all(pool4):
+    for rank, (recv, calls, nbytes) in enumerate(pool4.run(_uneven_all_to_all)):
+        assert recv == [[r, rank] for r in range(4) for _ in range(rank + 1)]
+        assert calls == 1
+        assert nbytes == sum((j + 1) * 8 for j in range(4) if j != rank)
+
+
+def _p2p_ring():
+    me = sbp.env.get_rank()
+    out = torch.empty(3)
+    comm.exchange_p2p([(torch.full((3,), float(me)), (me + 1) % 4)], [(out, (me - 1) % 4)])
+    return out.tolist()
+
+
+def test_p2p_ring(pool4):
+    for rank, got in enumerate(pool4.run(_p2p_ring)):
+        assert got == [float((rank - 1) % 4)] * 3
+
+
+def _meta(dtype_on_rank2):
+    me = sbp.env.get_rank()
+    desc = {"dtype": str(dtype_on_rank2 if me == 2 else torch.float32), "sbp": "S(0)"}
+    try:
+        return comm.exchange(desc, (0, 1, 2, 3), ints=[me, 5, me * 2], what="x")
+    except sbp.MetaMismatchError as e:
+        return str(e)
+
+
+def test_meta_exchange_returns_every_ranks_ints(pool4):
+    for got in pool4.run(_meta, torch.float32):
+        assert got == [(r, 5, 2 * r) for r in range(4)]
+
+
+def test_meta_mismatch_raises_on_every_rank(pool4):
+    for got in pool4.run(_meta, torch.float64):
+        assert isinstance(got, str)
+        assert "dtype differs" in got and "rank 2: 'torch.float64'" in got
+        assert "sbp" not in got.split("dtype differs")[1]
+
+
+def _long_ints():
+    me = sbp.env.get_rank()
+    return comm.exchange({"k": 1}, (0, 1, 2, 3), ints=list(range(me, me + 20)))
+
+
+def test_meta_exchange_many_ints(pool4):
+    for got in pool4.run(_long_ints):
+        assert got == [tuple(range(r, r + 20)) for r in range(4)]
+
+
+def _missing_partner():
+    me = sbp.env.get_rank()
+    if me == 0:
+        try:
+            comm.all_reduce(torch.ones(2), "sum", (0, 1))
+        except sbp.CommTimeoutError as e:
+            return "timeout: " + str(e)[:80]
+    return "skipped"
+
+
+def test_collective_timeout_becomes_comm_timeout_error():
+    pool = SpmdPool(2, timeout=60, comm_timeout=2.0)
+    try:
+        results = pool.run(_missing_partner)
+        assert results[0].startswith("timeout: all_reduce over ranks [0, 1]")
+        assert results[1] == "skipped"
+    finally:
+        pool.close()
+
+
+def _rank_two_fails():
+    if sbp.env.get_rank() == 2:
+        raise ValueError("rank two is unhappy")
+    return sbp.env.get_rank()
+
+
+def _exit_on_rank_one():
+    import os
+
+    if sbp.env.get_rank() == 1:
+        os._exit(7)
+    return sbp.env.get_rank()
+
+
+def _rank_and_world():
+    return sbp.env.get_rank(), sbp.env.get_world_size()
+
+
+def test_pool_runs_reports_and_survives(pool4):
+    assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
+    with pytest.raises(SpmdError, match="rank 2 raised") as info:
+        pool4.run(_rank_two_fails)
+    assert "rank two is unhappy" in info.value.errors[2]
+    assert isinstance(info.value.exceptions[2], ValueError)
+    with pytest.raises(SpmdError, match=r"rank 1 died \(exit code 7\)"):
+        pool4.run(_exit_on_rank_one)
+    assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
