@@ -7,10 +7,12 @@ by the first hierarchy dim, then each part by the next, in order.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from sbp.errors import PlacementError
+from sbp.errors import PlacementError, SbpError
 from sbp.placement import placement as Placement
 from sbp.signature import NdSbp, normalize_nd_sbp
 
@@ -29,9 +31,12 @@ def balanced_range(size: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def _coord(placement: Placement, coord: Any) -> tuple[int, ...]:
-    if isinstance(coord, int) and not isinstance(coord, bool):
+    if not isinstance(coord, (tuple, list)):
         coord = (coord,)
-    coord = tuple(coord)
+    try:
+        coord = tuple(operator.index(c) for c in coord)
+    except TypeError:
+        raise PlacementError(f"coord must be ints, got {coord!r}") from None
     if len(coord) != placement.ndim or any(
         not 0 <= c < n for c, n in zip(coord, placement.hierarchy, strict=True)
     ):
@@ -52,10 +57,22 @@ def local_ranges(
     return ranges
 
 
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """A logical shape as a tuple of non-negative ints, or an `SbpError` naming `shape`."""
+    try:
+        out = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise SbpError(f"shape must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in out):
+        raise SbpError(f"shape must not have negative sizes, got {tuple(shape)!r}")
+    return out
+
+
 def local_slices(
     shape: Sequence[int], placement: Placement, nd_sbp: Any, coord: Any
 ) -> tuple[slice, ...]:
     """The slice of the logical tensor held at hierarchy `coord` (a tuple, or an int for 1-D)."""
+    shape = check_shape(shape)
     nd = normalize_nd_sbp(nd_sbp, placement.ndim, len(shape))
     ranges = local_ranges(shape, placement.hierarchy, nd, _coord(placement, coord))
     return tuple(slice(a, b) for a, b in ranges)
@@ -87,8 +104,6 @@ def logical_size_along(
     if not split_dims:
         return int(local_sizes[0])
     total = 0
-    import itertools
-
     for combo in itertools.product(*[range(hierarchy[h]) for h in split_dims]):
         coord = [0] * len(hierarchy)
         for h, c in zip(split_dims, combo, strict=True):
@@ -98,3 +113,23 @@ def logical_size_along(
             index = index * n + c
         total += int(local_sizes[index])
     return total
+
+
+class GlobalSpec(NamedTuple):
+    """Everything a plan depends on: placement, normalised nd_sbp, logical shape, dtype."""
+
+    placement: Placement
+    nd_sbp: NdSbp
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        """[start, stop) per tensor dim held by `rank` (which must be in the placement)."""
+        return local_ranges(
+            self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank)
+        )
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        if rank not in self.placement:
+            return (0,)
+        return tuple(b - a for a, b in self.ranges(rank))

@@ -9,6 +9,7 @@ world is checked when a tensor is placed (`check_in_world`).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
@@ -22,13 +23,14 @@ def _shape_of(ranks: Any, path: str) -> tuple[tuple[int, ...], list[Any]]:
     """Return (hierarchy, flat ranks) of a nested rank list, checking it is rectangular."""
     if isinstance(ranks, range):
         ranks = list(ranks)
-    if isinstance(ranks, bool) or not isinstance(ranks, Sequence) or isinstance(ranks, str):
+    if not isinstance(ranks, Sequence) or isinstance(ranks, (str, bytes)):
         raise PlacementError(f"placement ranks{path} must be a list of ints, got {ranks!r}")
     if len(ranks) == 0:
         raise PlacementError(f"placement ranks{path} must not be empty")
-    nested = [not isinstance(r, int) or isinstance(r, bool) for r in ranks]
+    ints = [_as_int(r) for r in ranks]
+    nested = [r is None for r in ints]
     if not any(nested):
-        return (len(ranks),), list(ranks)
+        return (len(ranks),), ints
     if not all(nested):
         raise PlacementError(f"placement ranks{path} is ragged: mixes ints and lists: {ranks!r}")
     shapes, flat = [], []
@@ -39,6 +41,16 @@ def _shape_of(ranks: Any, path: str) -> tuple[tuple[int, ...], list[Any]]:
     if any(s != shapes[0] for s in shapes):
         raise PlacementError(f"placement ranks{path} is ragged (not rectangular): {ranks!r}")
     return (len(ranks), *shapes[0]), flat
+
+
+def _as_int(value: Any) -> int | None:
+    """`value` as an int if it is an integer (numpy ones too, bools not), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _to_nested(flat: tuple[int, ...], hierarchy: tuple[int, ...]) -> list[Any]:
@@ -103,7 +115,10 @@ class placement:  # noqa: N801 - lowercase like OneFlow's and like `torch.device
         return {r: i for i, r in enumerate(self._flat)}
 
     def __contains__(self, rank: object) -> bool:
-        return rank in self._index
+        try:
+            return rank in self._index
+        except TypeError:  # unhashable: certainly not a rank
+            return False
 
     def index(self, rank: int) -> int:
         """Row-major position of `rank` in this placement."""
@@ -116,12 +131,16 @@ class placement:  # noqa: N801 - lowercase like OneFlow's and like `torch.device
         """Hierarchy coordinate of `rank`."""
         return coord_of_index(self.index(rank), self._hierarchy)
 
-    def rank_at(self, coord: Sequence[int]) -> int:
-        """The rank at a hierarchy coordinate."""
+    def rank_at(self, coord: Sequence[int] | int) -> int:
+        """The rank at a hierarchy coordinate (an int for a 1-D placement)."""
+        if _as_int(coord) is not None:
+            coord = (coord,)
         return self._flat[index_of_coord(coord, self._hierarchy)]
 
     def group_ranks(self, rank: int, dim: int) -> tuple[int, ...]:
         """Ranks that share `rank`'s coordinate on every hierarchy dim but `dim`, in order."""
+        if not 0 <= dim < self.ndim:
+            raise PlacementError(f"hierarchy dim {dim} is out of range for {self}")
         c = list(self.coord(rank))
         out = []
         for i in range(self._hierarchy[dim]):

@@ -7,6 +7,7 @@ hierarchy dim. These are pure, hashable values.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,9 +31,12 @@ class Split(SBP):
     is_split = True
 
     def __init__(self, dim: int) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, int):
+        if isinstance(dim, bool):
             raise SbpSignatureError(f"split dim must be an int, got {dim!r}")
-        self.dim = dim
+        try:
+            self.dim = operator.index(dim)
+        except TypeError:
+            raise SbpSignatureError(f"split dim must be an int, got {dim!r}") from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Split) and other.dim == self.dim
