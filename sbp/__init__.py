@@ -1,6 +1,6 @@
 """`sbp`: OneFlow-style global tensors (placement + SBP signature) for PyTorch."""
 
-from sbp import env
+from sbp import boxing, env
 from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
@@ -13,16 +13,35 @@ from sbp.errors import (
 from sbp.layout import local_shape, local_slices
 from sbp.placement import placement
 from sbp.signature import broadcast, partial_max, partial_min, partial_sum, split
+from sbp.tensor import GlobalTensor, to_global
 
 __version__ = "0.1.0"
 
+
+def _install_methods() -> None:
+    """`import sbp` adds `to_global` (and `is_global`) to torch.Tensor and nn.Module if absent."""
+    import torch
+
+    def tensor_to_global(self, placement=None, sbp=None, **kwargs):
+        return to_global(self, placement, sbp, **kwargs)
+
+    if not hasattr(torch.Tensor, "to_global"):
+        torch.Tensor.to_global = tensor_to_global
+    if not hasattr(torch.Tensor, "is_global"):
+        torch.Tensor.is_global = property(lambda self: False)
+
+
+_install_methods()
+
 __all__ = [
     "CommTimeoutError",
+    "GlobalTensor",
     "DeviceMismatchError",
     "MetaMismatchError",
     "PlacementError",
     "SbpError",
     "SbpSignatureError",
+    "boxing",
     "broadcast",
     "comm_stats",
     "env",
@@ -33,4 +52,5 @@ __all__ = [
     "partial_sum",
     "placement",
     "split",
+    "to_global",
 ]

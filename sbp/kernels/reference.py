@@ -1,0 +1,87 @@
+"""Torch implementations of the boxing kernels (CPU and any other device)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def pack_chunks(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], pad_to: int | None = None
+) -> torch.Tensor:
+    """Lay out consecutive chunks of `x` along `dim` (lengths `sizes`) one after another.
+
+    The result is a flat buffer; chunk i holds `x.narrow(dim, sum(sizes[:i]), sizes[i])`
+    in its own contiguous layout, padded to `pad_to` rows of `dim` when given (for
+    collectives that need equal chunks). Costs one copy, none when the chunks are
+    already laid out so (split along dim 0 of a contiguous tensor, no padding).
+    """
+    rest = _numel_without(x.shape, dim)
+    if (dim == 0 or all(s == 1 for s in x.shape[:dim])) and x.is_contiguous() and pad_to is None:
+        return x.reshape(-1)
+    rows = [pad_to if pad_to is not None else s for s in sizes]
+    out = torch.empty(sum(rows) * rest, dtype=x.dtype, device=x.device)
+    offset = start = 0
+    for size, row in zip(sizes, rows, strict=True):
+        chunk = x.narrow(dim, start, size)
+        out[offset : offset + chunk.numel()].view(chunk.shape).copy_(chunk)
+        offset += row * rest
+        start += size
+    return out
+
+
+def unpack_chunks(
+    buf: torch.Tensor,
+    chunk_shapes: Sequence[Sequence[int]],
+    dim: int,
+    out: torch.Tensor,
+    stride: int | None = None,
+) -> torch.Tensor:
+    """Inverse of `pack_chunks`: chunk i of the flat `buf` (starting at i*stride elements, or
+    right after chunk i-1) is copied into `out` at its place along `dim`."""
+    offset = start = 0
+    for i, shape in enumerate(chunk_shapes):
+        n = 1
+        for s in shape:
+            n *= s
+        if stride is not None:
+            offset = i * stride
+        if n:
+            out.narrow(dim, start, shape[dim]).copy_(buf[offset : offset + n].view(tuple(shape)))
+        start += shape[dim]
+        offset += n
+    return out
+
+
+def reduce_chunks(chunks: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Elementwise sum / max / min of equal-shaped chunks, in a new tensor."""
+    out = chunks[0].clone()
+    for c in chunks[1:]:
+        if op == "sum":
+            out.add_(c)
+        elif op == "max":
+            torch.maximum(out, c, out=out)
+        else:
+            torch.minimum(out, c, out=out)
+    return out
+
+
+def fill_value(dtype: torch.dtype, op: str) -> float | int | bool:
+    """Identity element of the reduction `op` for `dtype` (what non-owners hold in a partial)."""
+    if op == "sum":
+        return False if dtype == torch.bool else 0
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("-inf") if op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def _numel_without(shape: Sequence[int], dim: int) -> int:
+    n = 1
+    for i, s in enumerate(shape):
+        if i != dim:
+            n *= s
+    return n

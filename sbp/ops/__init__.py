@@ -1,0 +1,11 @@
+"""SBP propagation: which signature each torch op's output gets, and what inputs must move.
+
+`dispatch` is called by `GlobalTensor.__torch_dispatch__`. An op with a rule in
+the registry runs by it; any other op falls back to boxing every global input
+to broadcast, running locally, and returning broadcast results (warned once).
+"""
+
+from sbp.ops import basic  # noqa: F401 - registers its rules
+from sbp.ops.registry import dispatch, register
+
+__all__ = ["dispatch", "register"]

@@ -1,0 +1,299 @@
+"""`GlobalTensor`: one logical tensor spread over the ranks of a placement.
+
+A wrapper subclass: its own shape, dtype and grad are logical; the data lives
+in `_local`, this rank's part as the SBP signature says. Torch ops reach
+`__torch_dispatch__` and go to the SBP rules in `sbp.ops`; conversions go
+through the boxing engine inside autograd Functions, so gradients flow back
+with the transposed conversion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from sbp import boxing, comm, env
+from sbp.boxing.executor import empty_local, local_device
+from sbp.errors import DeviceMismatchError, MetaMismatchError, PlacementError
+from sbp.layout import GlobalSpec, logical_size_along
+from sbp.placement import placement as Placement
+from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp
+
+
+class GlobalTensor(torch.Tensor):
+    """A logical tensor with a placement and an SBP signature (see API.md)."""
+
+    _local: torch.Tensor
+    _spec: GlobalSpec
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.shape,
+            dtype=spec.dtype,
+            device=local.device,
+            requires_grad=requires_grad,
+        )
+        out._local = local
+        out._spec = spec
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from sbp.ops import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # ------------------------------------------------------------ metadata
+    @property
+    def placement(self) -> Placement:
+        return self._spec.placement
+
+    @property
+    def sbp(self) -> NdSbp:
+        return self._spec.nd_sbp
+
+    @property
+    def is_global(self) -> bool:
+        return True
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (
+            f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"placement={self.placement}, sbp={format_nd_sbp(self.sbp)}, local={self._local!r})"
+        )
+
+    __str__ = __repr__
+
+    # ------------------------------------------------------------ conversions
+    def to_local(self) -> torch.Tensor:
+        """This rank's local tensor (autograd-aware; empty on ranks outside the placement)."""
+        return _ToLocal.apply(self)
+
+    def to_global(
+        self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None
+    ):
+        """Re-box to another placement and/or sbp (None keeps the current one)."""
+        dst = boxing.target_spec(self._spec, placement, sbp)
+        dst.placement.check_in_world(env.get_world_size())
+        grad = _grad_nd_sbp(self._spec, grad_sbp)
+        if dst == self._spec and grad == self._spec.nd_sbp:
+            return self
+        return _Box.apply(self, dst, grad)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The logical value as a plain tensor on every rank of the placement."""
+        return self.to_global(sbp=(broadcast,) * self.placement.ndim).to_local()
+
+    def item(self):
+        return self.full_tensor().item()
+
+    def tolist(self):
+        return self.full_tensor().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.full_tensor().detach().cpu().numpy()
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return format(self.item(), spec)
+        return format(str(self), spec)
+
+
+def _grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
+    """Sbp of the gradient sent back to `src`: its own, a partial one made broadcast."""
+    if grad_sbp is not None:
+        return normalize_nd_sbp(grad_sbp, src.placement.ndim, len(src.shape))
+    return tuple(broadcast if s.is_partial else s for s in src.nd_sbp)
+
+
+def box(local: torch.Tensor, src: GlobalSpec, dst: GlobalSpec) -> torch.Tensor:
+    """Run the cached plan from `src` to `dst` on this rank's local tensor."""
+    return boxing.execute(boxing.plan_specs(src, dst), local)
+
+
+def _as_global_grad(grad: torch.Tensor, spec: GlobalSpec) -> GlobalTensor:
+    if isinstance(grad, GlobalTensor):
+        return grad
+    return GlobalTensor(grad, spec)
+
+
+class _Box(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: GlobalTensor, dst: GlobalSpec, grad_nd: NdSbp):
+        ctx.src, ctx.dst, ctx.grad_nd = g._spec, dst, grad_nd
+        return GlobalTensor(box(g._local, g._spec, dst), dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _as_global_grad(grad, ctx.dst)
+        target = ctx.src._replace(nd_sbp=ctx.grad_nd)
+        return GlobalTensor(box(grad._local, grad._spec, target), target), None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: GlobalTensor):
+        ctx.spec = g._spec
+        return g._local.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GlobalTensor(grad.contiguous(), ctx.spec)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spec: GlobalSpec, grad_nd: NdSbp):
+        ctx.spec, ctx.grad_nd = spec, grad_nd
+        return GlobalTensor(x.detach(), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _as_global_grad(grad, ctx.spec)
+        target = ctx.spec._replace(nd_sbp=ctx.grad_nd)
+        return box(grad._local, grad._spec, target), None, None
+
+
+# ---------------------------------------------------------------- local -> global
+
+
+def _describe(x: torch.Tensor, P: Placement, nd: NdSbp) -> dict:
+    shape = [
+        None if any(s.is_split and s.dim == d for s in nd) else n for d, n in enumerate(x.shape)
+    ]
+    return {
+        "dtype": str(x.dtype),
+        "device type": x.device.type,
+        "sbp": format_nd_sbp(nd),
+        "placement": repr(P),
+        "shape (unsplit dims)": tuple(shape),
+    }
+
+
+def _infer_shape(x: torch.Tensor, P: Placement, nd: NdSbp, check_meta: bool) -> tuple[int, ...]:
+    """Logical shape from every rank's local shape; checks the shards follow the balanced layout."""
+    ranks = P.flat_ranks
+    shapes = comm.exchange(
+        _describe(x, P, nd) if check_meta else {}, ranks, list(x.shape), "to_global"
+    )
+    if len({len(s) for s in shapes}) != 1:
+        raise MetaMismatchError(f"to_global: ranks pass local tensors of different ndim: {shapes}")
+    logical = tuple(
+        logical_size_along([s[d] for s in shapes], P.hierarchy, nd, d) for d in range(x.dim())
+    )
+    spec = GlobalSpec(P, nd, logical, x.dtype)
+    expected = [spec.local_shape(r) for r in ranks]
+    if [tuple(s) for s in shapes] != expected:
+        raise MetaMismatchError(
+            f"to_global: local shapes {[tuple(s) for s in shapes]} of ranks {list(ranks)} are not "
+            f"the balanced split of logical shape {logical} by sbp {format_nd_sbp(nd)} "
+            f"(expected {expected})"
+        )
+    return logical
+
+
+def _sync_broadcast_dims(x: torch.Tensor, P: Placement, nd: NdSbp) -> torch.Tensor:
+    """Copy the first rank's value along every broadcast hierarchy dim."""
+    me = env.get_rank()
+    for h, s in enumerate(nd):
+        if s.is_broadcast and P.hierarchy[h] > 1:
+            group = P.group_ranks(me, h)
+            x = comm.broadcast(
+                x.detach().clone(memory_format=torch.contiguous_format), group[0], group
+            )
+    return x
+
+
+def local_to_global(
+    x: torch.Tensor,
+    placement: Placement,
+    sbp: Any,
+    *,
+    shape: Any = None,
+    sync_data: bool = True,
+    check_meta: bool = True,
+    grad_sbp: Any = None,
+) -> GlobalTensor:
+    """`x` is this rank's local tensor; make the global tensor it is a part of (see API.md)."""
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
+    placement.check_in_world(env.get_world_size())
+    nd = normalize_nd_sbp(sbp, placement.ndim, x.dim())
+    me = env.get_rank()
+    if x.device.type != placement.type:
+        raise DeviceMismatchError(
+            f"to_global: the local tensor is on {x.device} but the placement type is "
+            f"{placement.type!r}; move it first (x.to({placement.type!r}))"
+        )
+    if me not in placement:
+        logical = tuple(shape) if shape is not None else tuple(x.shape)
+        spec = GlobalSpec(placement, nd, logical, x.dtype)
+        return GlobalTensor(empty_local(spec), spec, requires_grad=x.requires_grad)
+    if shape is not None:
+        logical = tuple(int(s) for s in shape)
+        spec = GlobalSpec(placement, nd, logical, x.dtype)
+        if tuple(x.shape) != spec.local_shape(me):
+            raise MetaMismatchError(
+                f"to_global: local shape {tuple(x.shape)} on rank {me} does not match shape="
+                f"{logical} with sbp {format_nd_sbp(nd)} (expected {spec.local_shape(me)})"
+            )
+        if check_meta:
+            comm.exchange(
+                _describe(x, placement, nd) | {"shape=": logical},
+                placement.flat_ranks,
+                (),
+                "to_global",
+            )
+    elif any(s.is_split for s in nd):
+        logical = _infer_shape(x, placement, nd, check_meta)
+    else:
+        if check_meta:
+            comm.exchange(_describe(x, placement, nd), placement.flat_ranks, (), "to_global")
+        logical = tuple(x.shape)
+    spec = GlobalSpec(placement, nd, logical, x.dtype)
+    if x.device.type == "cuda" and x.device != local_device("cuda"):
+        raise DeviceMismatchError(
+            f"to_global: local tensor on {x.device}, expected {local_device('cuda')}"
+        )
+    data = _sync_broadcast_dims(x, placement, nd) if sync_data else x
+    grad_nd = _grad_nd_sbp(spec, grad_sbp)
+    if x.requires_grad and torch.is_grad_enabled():
+        if data is not x:
+            data = _Reattach.apply(x, data)
+        return _FromLocal.apply(data, spec, grad_nd)
+    return GlobalTensor(data.detach(), spec)
+
+
+class _Reattach(torch.autograd.Function):
+    """Use synced data in forward while the gradient still reaches the caller's tensor."""
+
+    @staticmethod
+    def forward(ctx, x, data):
+        return data
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def to_global(obj: Any, placement: Placement | None = None, sbp: Any = None, **kwargs: Any) -> Any:
+    """`sbp.to_global`: a tensor, a GlobalTensor (re-box), or nested dict/list/tuple of them."""
+    if isinstance(obj, GlobalTensor):
+        return obj.to_global(placement, sbp, **kwargs)
+    if isinstance(obj, torch.Tensor):
+        if placement is None or sbp is None:
+            raise PlacementError("to_global on a local tensor needs both placement= and sbp=")
+        return local_to_global(obj, placement, sbp, **kwargs)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, to_global(v, placement, sbp, **kwargs)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_global(v, placement, sbp, **kwargs) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_global(v, placement, sbp, **kwargs) for v in obj)
+    return obj
