@@ -1,0 +1,343 @@
+"""Launch one worker process per rank: ``python -m sbp.distributed.launch``.
+
+A thin front end over torchrun (``torch.distributed.run``): our options are translated into
+a torchrun argument list, torchrun builds its ``LaunchConfig`` from it and its elastic agent
+starts and watches the workers, so rendezvous, environment variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...) and failure handling are exactly
+torchrun's. What we change:
+
+* ``--logdir DIR`` gives one flat folder per global rank, ``DIR/rank_<r>/``, instead of
+  torchrun's ``<run id>_<random>/attempt_<n>/<local rank>/`` nesting (see `RankLogsSpecs`);
+* ``OMP_NUM_THREADS`` defaults to 1 for every job, so N workers do not oversubscribe the cores;
+* a failed worker gives a short summary on stderr and exit status 1 instead of a traceback.
+
+Example::
+
+    python -m sbp.distributed.launch --nproc_per_node 2 train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.api import (
+    LogsDest,
+    LogsSpecs,
+    SignalException,
+    Std,
+)
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
+
+__all__ = ["DEFAULT_LOGDIR", "DEFAULT_MASTER_PORT", "RankLogsSpecs", "get_parser", "main"]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_LOGDIR = "logs"
+_TORCHRUN_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+class RankLogsSpecs(LogsSpecs):
+    """torchrun log layout with one flat folder per global rank: ``<log_dir>/rank_<r>/``.
+
+    torchrun asks its ``LogsSpecs`` (through `reify`) where each local rank's stdout,
+    stderr and error file go, just before it starts the workers. Its default puts them under
+    a fresh ``<run id>_<random>/attempt_<n>/<local rank>/`` directory, which is hard to find
+    and clashes between nodes (every node has a local rank 0). Here the folder is named by
+    the worker's global ``RANK`` (taken from the environment torchrun prepared for it), so
+    a job on any number of nodes writing to a shared ``log_dir`` gets one folder per rank.
+
+    Args:
+        log_dir: the folder holding the per-rank folders; created when missing.
+        redirect: redirect each worker's stdout and stderr to ``stdout.log`` /
+            ``stderr.log`` in its folder (not shown on the console) instead of inheriting
+            the launcher's. Either way the folder holds ``error.json`` when a worker that
+            uses torch's ``@record`` fails.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], redirect: bool = False) -> None:
+        log_dir = os.path.abspath(os.fspath(log_dir))
+        if os.path.isfile(log_dir):
+            raise NotADirectoryError(f"--logdir {log_dir!r} is a file, not a folder")
+        os.makedirs(log_dir, exist_ok=True)
+        self.redirect = redirect
+        super().__init__(log_dir=log_dir, redirects=Std.ALL if redirect else Std.NONE)
+
+    @property
+    def root_log_dir(self) -> str:
+        """The folder that holds the ``rank_<r>`` folders (torchrun reports it in its events)."""
+        return str(self._root_log_dir)
+
+    def rank_dir(self, rank: int) -> str:
+        """The folder of global rank ``rank``, so callers can point users at its logs."""
+        return os.path.join(self.root_log_dir, f"rank_{rank}")
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Make the rank folders and say where each local rank's streams go.
+
+        ``envs`` maps local rank to the environment torchrun will start that worker with;
+        we read ``RANK`` from it and set ``TORCHELASTIC_ERROR_FILE`` in it, like torchrun.
+        """
+        redirect_out = bool(self._redirects & Std.OUT)  # type: ignore[operator]
+        redirect_err = bool(self._redirects & Std.ERR)  # type: ignore[operator]
+        stdouts: dict[int, str] = {}
+        stderrs: dict[int, str] = {}
+        error_files: dict[int, str] = {}
+        for local_rank in range(len(envs)):
+            env = envs[local_rank]
+            folder = self.rank_dir(int(env.get("RANK", local_rank)))
+            os.makedirs(folder, exist_ok=True)
+            error_file = os.path.join(folder, "error.json")
+            # torchrun reads this file to describe a failure: one left by an earlier run
+            # into the same folder would be reported as this run's error.
+            if os.path.exists(error_file):
+                os.remove(error_file)
+            # "" means: inherit the launcher's stream (torchrun's convention).
+            stdouts[local_rank] = os.path.join(folder, "stdout.log") if redirect_out else ""
+            stderrs[local_rank] = os.path.join(folder, "stderr.log") if redirect_err else ""
+            error_files[local_rank] = error_file
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+        dest: dict[str, object] = {
+            "stdouts": stdouts,
+            "stderrs": stderrs,
+            "tee_stdouts": {},
+            "tee_stderrs": {},
+            "error_files": error_files,
+        }
+        # Only opened when torchrun's --duplicate_*_filters (or PET_ variables) ask for it;
+        # the fields are missing from older torch versions.
+        names = {f.name for f in dataclasses.fields(LogsDest)}
+        for stream in ("stdout", "stderr"):
+            if f"filtered_{stream}" in names:
+                dest[f"filtered_{stream}"] = os.path.join(
+                    self.root_log_dir, f"filtered_{stream}.log"
+                )
+        return LogsDest(**dest)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"RankLogsSpecs(log_dir={self.root_log_dir!r}, redirects={self._redirects})"
+
+
+def _nproc(value: str) -> str:
+    """argparse type for --nproc_per_node: a positive int, or one of torchrun's words."""
+    if value in _TORCHRUN_NPROC_WORDS:
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or one of {', '.join(_TORCHRUN_NPROC_WORDS)}, got {value!r}"
+        )
+    return str(n)
+
+
+def _positive_int(value: str) -> int:
+    """argparse type for --nnodes."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _port(value: str) -> int:
+    """argparse type for --master_port."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port number in 1..65535, got {value!r}")
+    return port
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """The launcher's command-line parser (separate from `main` so docs and tests can use it)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sbp.distributed.launch",
+        description="Start one process per rank for an sbp program (built on torchrun). "
+        "Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+        "MASTER_PORT, ...), which sbp.env reads, and OMP_NUM_THREADS=1 unless it is set. "
+        "The launcher exits non-zero if any worker fails.",
+    )
+    parser.add_argument(
+        "--nproc_per_node",
+        "--nproc-per-node",
+        type=_nproc,
+        default="1",
+        metavar="N",
+        help="worker processes on this node (default 1); torchrun's auto/cpu/gpu also work",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="number of nodes (default 1); world size is K * N",
+    )
+    parser.add_argument(
+        "--node_rank",
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="rank of this node, 0..K-1 (default 0); its workers get global ranks R*N .. R*N+N-1",
+    )
+    parser.add_argument(
+        "--master_addr",
+        "--master-addr",
+        default=DEFAULT_MASTER_ADDR,
+        metavar="A",
+        help=f"address of node 0, which hosts the rendezvous store (default {DEFAULT_MASTER_ADDR})",
+    )
+    parser.add_argument(
+        "--master_port",
+        "--master-port",
+        type=_port,
+        default=None,
+        metavar="P",
+        help="free port on node 0 for the rendezvous store (default: a free port chosen by "
+        f"the OS when --nnodes is 1, else {DEFAULT_MASTER_PORT})",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module, like 'python -m' (it is then a module name)",
+    )
+    parser.add_argument(
+        "--no_python",
+        "--no-python",
+        action="store_true",
+        help="run the target as an executable, not through the Python interpreter",
+    )
+    parser.add_argument(
+        "--logdir",
+        "--log_dir",
+        default=None,
+        metavar="DIR",
+        help="write each rank's logs into its own folder DIR/rank_<global rank>/ "
+        "(error.json when a worker fails, plus stdout.log/stderr.log with "
+        "--redirect_stdout_and_stderr)",
+    )
+    parser.add_argument(
+        "--redirect_stdout_and_stderr",
+        "--redirect-stdout-and-stderr",
+        action="store_true",
+        help="send each worker's stdout and stderr to DIR/rank_<r>/stdout.log and stderr.log "
+        f"instead of the console (DIR defaults to ./{DEFAULT_LOGDIR} when --logdir is not given)",
+    )
+    parser.add_argument(
+        "training_script",
+        metavar="script.py",
+        help="the program each worker runs (a module name with -m, an executable with --no_python)",
+    )
+    parser.add_argument(
+        "training_script_args",
+        nargs=argparse.REMAINDER,
+        metavar="...",
+        help="arguments passed on to the program",
+    )
+    return parser
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and cross-check the options (errors exit with status 2, like argparse)."""
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    if args.module and args.no_python:
+        parser.error("-m/--module and --no_python cannot be used together")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if args.redirect_stdout_and_stderr and args.logdir is None:
+        args.logdir = DEFAULT_LOGDIR
+    return args
+
+
+def _torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """Our options as a torchrun command line, so torchrun's own parser fills every default."""
+    argv = [
+        f"--nproc_per_node={args.nproc_per_node}",
+        f"--nnodes={args.nnodes}",
+        f"--node_rank={args.node_rank}",
+        f"--master_addr={args.master_addr}",
+    ]
+    if args.master_port is None and args.nnodes == 1:
+        # Like plain torchrun on one node: a c10d store on a port the OS picks, so that
+        # two jobs on one machine do not fight over port 29500.
+        argv += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", f"--rdzv_id={uuid.uuid4()}"]
+    else:
+        port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+        argv += ["--rdzv_backend=static", f"--master_port={port}"]
+    if args.logdir is not None:
+        # torchrun builds a DefaultLogsSpecs that we replace; devnull keeps it from making a
+        # temporary folder first.
+        argv.append(f"--log_dir={os.devnull}")
+    if args.module:
+        argv.append("--module")
+    if args.no_python:
+        argv.append("--no_python")
+    return [*argv, args.training_script, *args.training_script_args]
+
+
+def _report_failure(err: BaseException, logs: RankLogsSpecs | None) -> None:
+    """Print one short line per failed worker (rank, exit code or signal, where to look)."""
+    failures = getattr(err, "failures", {})
+    print(f"sbp.distributed.launch: {len(failures)} worker(s) failed:", file=sys.stderr)
+    for rank, failure in sorted(failures.items()):
+        if failure.exitcode < 0:
+            how = f"killed by signal {failure.signal_name()}"
+        else:
+            how = f"exit code {failure.exitcode}"
+        line = f"  rank {rank} (local_rank {failure.local_rank}, pid {failure.pid}): {how}"
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        if message and not str(message).startswith(("To enable traceback", "Signal ")):
+            line += f": {message}"
+        if logs is not None and logs.redirect:
+            line += f" (see {os.path.join(logs.rank_dir(rank), 'stderr.log')})"
+        print(line, file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the launcher: start the workers, wait for them, exit 1 if any of them failed.
+
+    ``argv`` defaults to ``sys.argv[1:]``; it is a parameter so the launcher can be driven
+    from Python (tests, wrappers) without a subprocess of its own.
+    """
+    args = _parse(argv)
+
+    # Set before torchrun reads the environment: workers inherit it, and torchrun then
+    # skips its own (nproc > 1 only) default and its warning banner.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    torchrun_args = get_args_parser().parse_args(_torchrun_argv(args))
+    config, entrypoint, entry_args = config_from_args(torchrun_args)
+    logs: RankLogsSpecs | None = None
+    if args.logdir is not None:
+        logs = RankLogsSpecs(args.logdir, redirect=args.redirect_stdout_and_stderr)
+        config.logs_specs = logs
+
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    except ChildFailedError as err:
+        _report_failure(err, logs)
+        sys.exit(1)
+    except SignalException as err:
+        print(f"sbp.distributed.launch: stopped by {err.sigval.name}", file=sys.stderr)
+        sys.exit(128 + int(err.sigval))
+
+
+if __name__ == "__main__":
+    main()

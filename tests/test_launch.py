@@ -1,0 +1,212 @@
+"""Tests for `python -m sbp.distributed.launch` (real launches, 2 workers on gloo)."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from sbp.distributed import launch
+
+TIMEOUT = 120
+
+# Prints what each worker sees, both from torchrun's variables and through sbp.env
+# (which reads them and joins a gloo process group). Workers share the console and run
+# unbuffered (python -u), where print() writes the text and the newline separately, so
+# lines of two ranks could interleave: every script writes a whole line in one call.
+REPORT_SCRIPT = """\
+import os
+import sys
+
+import sbp
+
+sys.stdout.write(
+    f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']}"
+    f" sbp_rank={sbp.env.get_rank()} sbp_world={sbp.env.get_world_size()}"
+    f" omp={os.environ.get('OMP_NUM_THREADS')} args={sys.argv[1:]}\\n"
+)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_launcher(*args: str, cwd: Path, extra_env: dict | None = None):
+    """Run the launcher in a subprocess with a free static port; return CompletedProcess."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "sbp.distributed.launch", "--master_port", str(free_port())]
+    return subprocess.run(
+        [*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_two_workers_see_rank_world_and_omp(tmp_path):
+    script = write(tmp_path / "report.py", REPORT_SCRIPT)
+    res = run_launcher("--nproc_per_node", "2", str(script), "--lr", "0.1", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank="))
+    assert lines == [
+        f"rank={r} world=2 sbp_rank={r} sbp_world=2 omp=1 args=['--lr', '0.1']" for r in (0, 1)
+    ]
+
+
+def test_logdir_one_folder_per_rank_with_redirected_output(tmp_path):
+    script = write(tmp_path / "report.py", REPORT_SCRIPT)
+    logdir = tmp_path / "logs_here"
+    res = run_launcher(
+        "--nproc_per_node",
+        "2",
+        "--logdir",
+        str(logdir),
+        "--redirect_stdout_and_stderr",
+        str(script),
+        cwd=tmp_path,
+        extra_env={"OMP_NUM_THREADS": "2"},  # a user's setting is kept
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in logdir.iterdir()) == ["rank_0", "rank_1"]
+    for r in (0, 1):
+        folder = logdir / f"rank_{r}"
+        assert folder.is_dir()
+        out = (folder / "stdout.log").read_text()
+        assert f"rank={r} world=2 sbp_rank={r} sbp_world=2 omp=2" in out
+        assert (folder / "stderr.log").exists()
+    assert "rank=" not in res.stdout  # redirected, not on the console
+
+
+def test_failing_worker_makes_launcher_fail(tmp_path):
+    script = write(
+        tmp_path / "fail.py",
+        """\
+        import os
+        import sys
+
+        if os.environ["RANK"] == "1":
+            print("rank 1 gives up", file=sys.stderr, flush=True)
+            sys.exit(3)
+        """,
+    )
+    # --redirect_stdout_and_stderr without --logdir writes to ./logs
+    res = run_launcher(
+        "--nproc_per_node", "2", "--redirect_stdout_and_stderr", str(script), cwd=tmp_path
+    )
+    assert res.returncode != 0
+    assert "rank 1" in res.stderr and "exit code 3" in res.stderr
+    logs = tmp_path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank_0", "rank_1"]
+    assert "rank 1 gives up" in (logs / "rank_1" / "stderr.log").read_text()
+
+
+def test_module_mode_and_logdir_without_redirect(tmp_path):
+    pkg = tmp_path / "mods"
+    pkg.mkdir()
+    write(
+        pkg / "hello_mod.py",
+        """\
+        import os
+        import sys
+
+        sys.stdout.write(f"module rank {os.environ['RANK']}\\n")
+        """,
+    )
+    logdir = tmp_path / "L"
+    res = run_launcher(
+        "--nproc_per_node",
+        "2",
+        "--logdir",
+        str(logdir),
+        "-m",
+        "hello_mod",
+        cwd=tmp_path,
+        extra_env={"PYTHONPATH": str(pkg)},
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(line for line in res.stdout.splitlines() if line.startswith("module")) == [
+        "module rank 0",
+        "module rank 1",
+    ]
+    # the folders exist even though output went to the console
+    assert sorted(p.name for p in logdir.iterdir()) == ["rank_0", "rank_1"]
+    assert not (logdir / "rank_0" / "stdout.log").exists()
+
+
+def test_help_lists_options(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "sbp.distributed.launch", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert res.returncode == 0
+    for option in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_port", "--logdir"):
+        assert option in res.stdout
+    assert "--redirect_stdout_and_stderr" in res.stdout and "./logs" in res.stdout
+
+
+# --- in-process checks (no workers started) -------------------------------------------
+
+
+def test_rank_logs_specs_names_folders_by_global_rank(tmp_path):
+    # local ranks 0, 1 of node 1 with 2 procs per node are global ranks 2, 3
+    (tmp_path / "rank_3").mkdir()
+    (tmp_path / "rank_3" / "error.json").write_text("{}")  # stale, from an earlier run
+    specs = launch.RankLogsSpecs(tmp_path, redirect=True)
+    envs = {0: {"RANK": "2", "LOCAL_RANK": "0"}, 1: {"RANK": "3", "LOCAL_RANK": "1"}}
+    dest = specs.reify(envs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_2", "rank_3"]
+    assert dest.stdouts == {
+        0: str(tmp_path / "rank_2" / "stdout.log"),
+        1: str(tmp_path / "rank_3" / "stdout.log"),
+    }
+    assert dest.stderrs[1] == str(tmp_path / "rank_3" / "stderr.log")
+    assert (
+        dest.error_files[1]
+        == envs[1]["TORCHELASTIC_ERROR_FILE"]
+        == str(tmp_path / "rank_3" / "error.json")
+    )
+    assert not (tmp_path / "rank_3" / "error.json").exists()
+
+    console = launch.RankLogsSpecs(tmp_path / "c").reify({0: {"RANK": "0"}})
+    assert console.stdouts == {0: ""} and console.stderrs == {0: ""}  # "" = inherit console
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "--no_python", "x"],
+        ["--nnodes", "2", "--node_rank", "2", "x.py"],
+        ["--nproc_per_node", "0", "x.py"],
+        [],
+    ],
+)
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch._parse(argv)
+    assert exc.value.code == 2
+
+
+def test_translation_to_torchrun_arguments():
+    args = launch._parse(["--nproc_per_node", "4", "train.py", "--epochs", "3"])
+    argv = launch._torchrun_argv(args)
+    assert "--rdzv_backend=c10d" in argv  # one node, no port: torchrun picks a free one
+    assert argv[-3:] == ["train.py", "--epochs", "3"]
+
+    args = launch._parse(["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "t.py"])
+    argv = launch._torchrun_argv(args)
+    assert "--rdzv_backend=static" in argv and "--master_port=29500" in argv
+    targs = get_args_parser().parse_args(argv)
+    assert (targs.nnodes, targs.node_rank, targs.master_addr) == ("2", 1, "10.0.0.1")
