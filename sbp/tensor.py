@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from sbp import boxing, comm, env
-from sbp.boxing.executor import empty_local, local_device
+from sbp.boxing.executor import empty_local
 from sbp.errors import DeviceMismatchError, MetaMismatchError, PlacementError
-from sbp.layout import GlobalSpec, logical_size_along
+from sbp.layout import GlobalSpec, check_shape, logical_size_along
 from sbp.placement import placement as Placement
 from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp
 
@@ -163,39 +163,57 @@ class _FromLocal(torch.autograd.Function):
 # ---------------------------------------------------------------- local -> global
 
 
-def _describe(x: torch.Tensor, P: Placement, nd: NdSbp) -> dict:
-    shape = [
-        None if any(s.is_split and s.dim == d for s in nd) else n for d, n in enumerate(x.shape)
-    ]
-    return {
-        "dtype": str(x.dtype),
-        "device type": x.device.type,
-        "sbp": format_nd_sbp(nd),
-        "placement": repr(P),
-        "shape (unsplit dims)": tuple(shape),
-    }
+def _exchange_shapes(
+    x: torch.Tensor, P: Placement, sbp: Any, shape: Any, check_meta: bool, error: Exception | None
+) -> dict[int, tuple[int, ...]]:
+    """Every placement rank's local shape, learnt by all ranks of the world at once.
+
+    With `check_meta`, ranks first agree on placement, sbp, dtype and device type;
+    running over the whole world (every rank calls `to_global`, SPMD) also catches
+    ranks that disagree on the placement itself, and tells ranks outside the
+    placement the logical shape.
+    """
+    me = env.get_rank()
+    description = {}
+    if check_meta:
+        description = {
+            "placement": repr(P),
+            "sbp": format_nd_sbp(normalize_nd_sbp(sbp, P.ndim)),
+            "dtype": str(x.dtype),
+            "device type": x.device.type,
+            "shape=": None if shape is None else tuple(shape),
+        }
+    mine = [1, x.dim(), *x.shape] if me in P else [0]
+    world = tuple(range(env.get_world_size()))
+    rows = comm.exchange(description, world, mine, "to_global", error=error)
+    return {r: tuple(row[2:]) for r, row in zip(world, rows, strict=True) if row[0] == 1}
 
 
-def _infer_shape(x: torch.Tensor, P: Placement, nd: NdSbp, check_meta: bool) -> tuple[int, ...]:
-    """Logical shape from every rank's local shape; checks the shards follow the balanced layout."""
-    ranks = P.flat_ranks
-    shapes = comm.exchange(
-        _describe(x, P, nd) if check_meta else {}, ranks, list(x.shape), "to_global"
-    )
-    if len({len(s) for s in shapes}) != 1:
-        raise MetaMismatchError(f"to_global: ranks pass local tensors of different ndim: {shapes}")
-    logical = tuple(
-        logical_size_along([s[d] for s in shapes], P.hierarchy, nd, d) for d in range(x.dim())
-    )
-    spec = GlobalSpec(P, nd, logical, x.dtype)
-    expected = [spec.local_shape(r) for r in ranks]
-    if [tuple(s) for s in shapes] != expected:
+def _logical_shape(shapes: dict[int, tuple[int, ...]], P: Placement, nd: NdSbp) -> tuple[int, ...]:
+    """Logical shape from every placement rank's local shape; checks they fit the balanced layout."""
+    ordered = [shapes[r] for r in P.flat_ranks]
+    if len({len(s) for s in ordered}) != 1:
         raise MetaMismatchError(
-            f"to_global: local shapes {[tuple(s) for s in shapes]} of ranks {list(ranks)} are not "
-            f"the balanced split of logical shape {logical} by sbp {format_nd_sbp(nd)} "
+            f"to_global: ranks {list(P.flat_ranks)} pass local tensors of different ndim: {ordered}"
+        )
+    ndim = len(ordered[0])
+    logical = tuple(
+        logical_size_along([s[d] for s in ordered], P.hierarchy, nd, d) for d in range(ndim)
+    )
+    _check_local_shapes(shapes, GlobalSpec(P, nd, logical, None))
+    return logical
+
+
+def _check_local_shapes(shapes: dict[int, tuple[int, ...]], spec: GlobalSpec) -> None:
+    P = spec.placement
+    got = [shapes[r] for r in P.flat_ranks]
+    expected = [spec.local_shape(r) for r in P.flat_ranks]
+    if got != expected:
+        raise MetaMismatchError(
+            f"to_global: local shapes {got} of ranks {list(P.flat_ranks)} are not the balanced "
+            f"split of logical shape {spec.shape} by sbp {format_nd_sbp(spec.nd_sbp)} "
             f"(expected {expected})"
         )
-    return logical
 
 
 def _sync_broadcast_dims(x: torch.Tensor, P: Placement, nd: NdSbp) -> torch.Tensor:
@@ -220,48 +238,52 @@ def local_to_global(
     check_meta: bool = True,
     grad_sbp: Any = None,
 ) -> GlobalTensor:
-    """`x` is this rank's local tensor; make the global tensor it is a part of (see API.md)."""
+    """`x` is this rank's local tensor; make the global tensor it is a part of (see API.md).
+
+    Every rank of the world calls this (SPMD); ranks outside `placement` pass any
+    tensor of the right dtype and get a metadata-only global tensor.
+    """
     if not isinstance(placement, Placement):
         raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
     placement.check_in_world(env.get_world_size())
-    nd = normalize_nd_sbp(sbp, placement.ndim, x.dim())
+    normalize_nd_sbp(sbp, placement.ndim)  # a bad sbp fails before any communication
     me = env.get_rank()
-    if x.device.type != placement.type:
-        raise DeviceMismatchError(
+    inside = me in placement
+    error = None
+    if inside and x.device.type != placement.type:
+        error = DeviceMismatchError(
             f"to_global: the local tensor is on {x.device} but the placement type is "
             f"{placement.type!r}; move it first (x.to({placement.type!r}))"
         )
-    if me not in placement:
-        logical = tuple(shape) if shape is not None else tuple(x.shape)
-        spec = GlobalSpec(placement, nd, logical, x.dtype)
-        return GlobalTensor(empty_local(spec), spec, requires_grad=x.requires_grad)
     if shape is not None:
-        logical = tuple(int(s) for s in shape)
-        spec = GlobalSpec(placement, nd, logical, x.dtype)
-        if tuple(x.shape) != spec.local_shape(me):
-            raise MetaMismatchError(
-                f"to_global: local shape {tuple(x.shape)} on rank {me} does not match shape="
-                f"{logical} with sbp {format_nd_sbp(nd)} (expected {spec.local_shape(me)})"
-            )
-        if check_meta:
-            comm.exchange(
-                _describe(x, placement, nd) | {"shape=": logical},
-                placement.flat_ranks,
-                (),
-                "to_global",
-            )
-    elif any(s.is_split for s in nd):
-        logical = _infer_shape(x, placement, nd, check_meta)
+        shape = check_shape(shape)
+    splits = any(s.is_split for s in normalize_nd_sbp(sbp, placement.ndim))
+    shapes = None
+    if check_meta or (splits and shape is None):
+        shapes = _exchange_shapes(x, placement, sbp, shape, check_meta, error)
+    elif error is not None:
+        raise error
+    if shape is not None:
+        logical = shape
+    elif shapes is not None:
+        first = shapes[placement.flat_ranks[0]]
+        nd = normalize_nd_sbp(sbp, placement.ndim, len(first))
+        logical = _logical_shape(shapes, placement, nd) if splits else first
     else:
-        if check_meta:
-            comm.exchange(_describe(x, placement, nd), placement.flat_ranks, (), "to_global")
         logical = tuple(x.shape)
-    spec = GlobalSpec(placement, nd, logical, x.dtype)
-    if x.device.type == "cuda" and x.device != local_device("cuda"):
-        raise DeviceMismatchError(
-            f"to_global: local tensor on {x.device}, expected {local_device('cuda')}"
+    nd = normalize_nd_sbp(sbp, placement.ndim, len(logical))
+    spec = GlobalSpec(placement, nd, tuple(logical), x.dtype)
+    if shapes is not None:
+        _check_local_shapes(shapes, spec)
+    elif inside and tuple(x.shape) != spec.local_shape(me):
+        raise MetaMismatchError(
+            f"to_global: local shape {tuple(x.shape)} on rank {me} does not match shape="
+            f"{spec.shape} with sbp {format_nd_sbp(nd)} (expected {spec.local_shape(me)})"
         )
-    data = _sync_broadcast_dims(x, placement, nd) if sync_data else x
+    if inside:
+        data = _sync_broadcast_dims(x, placement, nd) if sync_data else x
+    else:
+        data = empty_local(spec)
     grad_nd = _grad_nd_sbp(spec, grad_sbp)
     if x.requires_grad and torch.is_grad_enabled():
         if data is not x:
@@ -275,10 +297,13 @@ class _Reattach(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, data):
-        return data
+        ctx.shape = x.shape
+        return data.detach()
 
     @staticmethod
     def backward(ctx, grad):
+        if grad.shape != ctx.shape:  # ranks outside the placement: nothing flows back
+            grad = grad.new_zeros(ctx.shape)
         return grad, None
 
 

@@ -47,25 +47,40 @@ def describe_mismatch(descriptions: Sequence[Mapping], ranks: Sequence[int], wha
 
 
 def exchange(
-    description: Mapping, ranks: tuple[int, ...], ints: Sequence[int] = (), what: str = "a tensor"
+    description: Mapping,
+    ranks: tuple[int, ...],
+    ints: Sequence[int] = (),
+    what: str = "a tensor",
+    error: BaseException | None = None,
 ) -> list[tuple[int, ...]]:
     """Check every rank of `ranks` passed an equal `description`; return every rank's `ints`.
 
-    Raises `MetaMismatchError` on every rank if the descriptions differ.
+    Raises `MetaMismatchError` on every rank if the descriptions differ. A rank that
+    found its own input bad passes that `error`: every rank then raises it (same type,
+    message naming the rank), so no rank is left waiting in a later collective.
     """
     if len(ranks) == 1:
+        if error is not None:
+            raise error
         return [tuple(ints)]
     fits = len(ints) <= MAX_INTS
-    row = torch.zeros(2 + MAX_INTS, dtype=torch.int64)
+    row = torch.zeros(3 + MAX_INTS, dtype=torch.int64)
     row[0] = stable_hash(sorted(description.items(), key=lambda kv: kv[0]))
     row[1] = len(ints) if fits else -1
+    row[2] = error is not None
     if fits and ints:
-        row[2 : 2 + len(ints)] = torch.tensor(list(ints), dtype=torch.int64)
-    table = torch.empty(len(ranks), 2 + MAX_INTS, dtype=torch.int64)
+        row[3 : 3 + len(ints)] = torch.tensor(list(ints), dtype=torch.int64)
+    table = torch.empty(len(ranks), 3 + MAX_INTS, dtype=torch.int64)
     collectives.all_gather(table, row.unsqueeze(0), ranks)
+    if bool(table[:, 2].any()):
+        errors = _gather_objects(None if error is None else (type(error), str(error)), ranks)
+        if error is not None:
+            raise error
+        rank, (cls, message) = next((r, e) for r, e in zip(ranks, errors, strict=True) if e)
+        raise cls(f"on rank {rank}: {message}")
     if bool((table[:, 0] != table[0, 0]).any()):
         descriptions = _gather_objects(dict(description), ranks)
         raise MetaMismatchError(describe_mismatch(descriptions, ranks, what))
     if bool((table[:, 1] < 0).any()):
         return [tuple(x) for x in _gather_objects(tuple(ints), ranks)]
-    return [tuple(int(v) for v in r[2 : 2 + int(r[1])]) for r in table]
+    return [tuple(int(v) for v in r[3 : 3 + int(r[1])]) for r in table]
