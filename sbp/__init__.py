@@ -10,6 +10,7 @@ from sbp.errors import (
     SbpError,
     SbpSignatureError,
 )
+from sbp.factories import arange, empty, full, manual_seed, ones, rand, randn, tensor, zeros
 from sbp.layout import local_shape, local_slices
 from sbp.placement import placement
 from sbp.signature import broadcast, partial_max, partial_min, partial_sum, split
@@ -29,6 +30,14 @@ def _install_methods() -> None:
         torch.Tensor.to_global = tensor_to_global
     if not hasattr(torch.Tensor, "is_global"):
         torch.Tensor.is_global = property(lambda self: False)
+
+    def module_to_global(self, placement, sbp, **kwargs):
+        from sbp.tensor import module_to_global
+
+        return module_to_global(self, placement, sbp, **kwargs)
+
+    if not hasattr(torch.nn.Module, "to_global"):
+        torch.nn.Module.to_global = module_to_global
 
 
 _install_methods()
@@ -53,4 +62,13 @@ __all__ = [
     "placement",
     "split",
     "to_global",
+    "arange",
+    "empty",
+    "full",
+    "manual_seed",
+    "ones",
+    "rand",
+    "randn",
+    "tensor",
+    "zeros",
 ]

@@ -9,6 +9,7 @@ with the transposed conversion.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,6 +87,14 @@ class GlobalTensor(torch.Tensor):
             return self
         return _Box.apply(self, dst, grad)
 
+    def requires_grad_(self, requires_grad: bool = True):
+        """Turning on gradients of a leaf also makes its `.grad` arrive in the leaf's sbp."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf and not getattr(self, "_sbp_grad_hook", False):
+            self._sbp_grad_hook = True
+            self.register_hook(_leaf_grad_hook(weakref.ref(self)))
+        return self
+
     def full_tensor(self) -> torch.Tensor:
         """The logical value as a plain tensor on every rank of the placement."""
         return self.to_global(sbp=(broadcast,) * self.placement.ndim).to_local()
@@ -103,6 +112,20 @@ class GlobalTensor(torch.Tensor):
         if self.dim() == 0:
             return format(self.item(), spec)
         return format(str(self), spec)
+
+
+def _leaf_grad_hook(leaf_ref):
+    """Box a leaf's incoming gradient to the leaf's current spec: a broadcast parameter trained
+    on split batches receives partial sums, which this all-reduces (data parallelism)."""
+
+    def hook(grad):
+        leaf = leaf_ref()
+        if leaf is None or not isinstance(grad, GlobalTensor) or grad._spec == leaf._spec:
+            return grad
+        target = leaf._spec._replace(dtype=grad.dtype)
+        return GlobalTensor(box(grad._local, grad._spec, target), target)
+
+    return hook
 
 
 def _grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
@@ -322,3 +345,27 @@ def to_global(obj: Any, placement: Placement | None = None, sbp: Any = None, **k
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_global(v, placement, sbp, **kwargs) for v in obj)
     return obj
+
+
+def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **kwargs: Any):
+    """`module.to_global`: every parameter and buffer becomes global, in place; returns `module`.
+
+    Values are synced from the placement's first rank (`sync_data=True`), so ranks
+    that initialised differently start equal. Shared parameters stay shared.
+    """
+    done: dict[int, Any] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or isinstance(p, GlobalTensor):
+                continue
+            if id(p) not in done:
+                g = local_to_global(p.detach(), placement, sbp, **kwargs)
+                done[id(p)] = torch.nn.Parameter(g, requires_grad=p.requires_grad)
+            sub._parameters[name] = done[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is None or isinstance(b, GlobalTensor):
+                continue
+            if id(b) not in done:
+                done[id(b)] = local_to_global(b, placement, sbp, **kwargs)
+            sub._buffers[name] = done[id(b)]
+    return module

@@ -1,28 +1,83 @@
-"""The rule registry and the dispatcher, with the broadcast fallback."""
+"""The rule registry and the dispatcher: strategy choice by boxing cost, cached on metadata.
+
+A strategy rule returns 1-D candidates, each saying which SBP every global input
+must have and which SBP every output gets. Candidates apply per hierarchy dim;
+the engine tries every combination over the placement's dims, keeps the one
+whose input conversions the boxing planner prices lowest, and caches the
+choice (with the logical output shapes, found once on meta tensors) under the
+op, the input specs and the non-float arguments, so per-step scalars such as a
+learning rate never miss the cache. Ops with no rule fall back to broadcast.
+"""
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from sbp import env
+from sbp.boxing import plan_specs
 from sbp.comm import stats
 from sbp.errors import PlacementError
-from sbp.signature import broadcast
+from sbp.layout import GlobalSpec
+from sbp.signature import SBP, broadcast
 
-Rule = Callable[[Any, tuple, dict], Any]
-_rules: dict[Any, Rule] = {}
+_rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
+CACHE_SIZE = 8192
+_cache: OrderedDict = OrderedDict()
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
+@dataclass(frozen=True)
+class Strategy:
+    """One hierarchy dim's choice: an SBP per global input and per tensor output (flat order)."""
+
+    inputs: tuple[SBP, ...]
+    outputs: tuple[SBP, ...]
+
+
+@dataclass
+class Call:
+    """What a rule sees: the op, its arguments, and the specs of its global inputs."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    specs: list[GlobalSpec]
+    out_meta: list  # (shape, dtype) or None per flat output leaf
+
+    @property
+    def placement(self):
+        return self.specs[0].placement
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        """Positional argument `i`, else keyword `name`, else `default`."""
+        if len(self.args) > i:
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+
+@dataclass
+class StrategyRule:
+    """`candidates(call) -> [Strategy]`; optional `local_args(call, args, kwargs, rank, in_specs,
+    out_specs)` fixes shape arguments for local tensors; optional `post(func, args, kwargs, outs,
+    in_specs, out_specs)` fixes local results (a mean over a split dim, say)."""
+
+    candidates: Callable[[Call], Sequence[Strategy]]
+    local_args: Callable | None = None
+    post: Callable | None = None
+
+
+def register(*ops: Any) -> Callable:
     """Decorator: `fn(func, args, kwargs)` handles the given aten ops (overloads or packets)."""
 
-    def deco(fn: Rule) -> Rule:
+    def deco(fn):
         for op in ops:
             _rules[op] = fn
         return fn
@@ -30,28 +85,45 @@ def register(*ops: Any) -> Callable[[Rule], Rule]:
     return deco
 
 
-def _rule_for(func) -> Rule | None:
+def register_strategy(*ops: Any, local_args: Callable | None = None, post: Callable | None = None):
+    """Decorator for a candidates function: the op runs through the strategy engine."""
+
+    def deco(candidates):
+        rule = StrategyRule(candidates, local_args, post)
+
+        def run(func, args, kwargs):
+            return run_strategy(rule, func, args, kwargs)
+
+        for op in ops:
+            _rules[op] = run
+        return candidates
+
+    return deco
+
+
+def _rule_for(func):
     return _rules.get(func) or _rules.get(func.overloadpacket)
 
 
-def global_args(args: tuple, kwargs: dict) -> list:
+def _global_type():
     from sbp.tensor import GlobalTensor
 
-    flat, _ = tree_flatten((args, kwargs))
-    gts = [a for a in flat if isinstance(a, GlobalTensor)]
-    locals_ = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor)]
-    return gts, locals_
+    return GlobalTensor
 
 
-def check_placements(func, gts: list, locals_: list) -> None:
+def check_placements(func, flat: list) -> None:
     """Mixing global and local tensors, or placements, is an error naming the op."""
-    name = getattr(func, "__name__", str(func))
-    if locals_ and any(t.dim() > 0 or t.requires_grad for t in locals_):
-        raise PlacementError(
-            f"{name}: mixes global tensors with a local torch.Tensor; make it global first "
-            "(x.to_global(placement, sbp))"
-        )
-    placements = {g.placement for g in gts}
+    GT = _global_type()
+    name = str(func)
+    placements = set()
+    for a in flat:
+        if isinstance(a, GT):
+            placements.add(a._spec.placement)
+        elif isinstance(a, torch.Tensor) and (a.dim() > 0 or a.requires_grad):
+            raise PlacementError(
+                f"{name}: mixes global tensors with a local torch.Tensor of shape "
+                f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
+            )
     if len(placements) > 1:
         raise PlacementError(
             f"{name}: inputs are on different placements: {sorted(map(repr, placements))}"
@@ -59,68 +131,178 @@ def check_placements(func, gts: list, locals_: list) -> None:
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    gts, locals_ = global_args(args, kwargs)
-    check_placements(func, gts, locals_)
+    flat, _ = tree_flatten((args, kwargs))
+    check_placements(func, flat)
     rule = _rule_for(func)
     if rule is not None:
         return rule(func, args, kwargs)
     return fallback(func, args, kwargs)
 
 
-def fallback(func, args: tuple, kwargs: dict) -> Any:
-    """Box every global input to broadcast, run the op locally, wrap outputs as broadcast."""
+# ---------------------------------------------------------------- the strategy engine
+
+
+def _static_key(flat: list) -> tuple:
+    """Arguments that may change the decision: everything but floats and tensors' values."""
+    GT = _global_type()
+    out = []
+    for a in flat:
+        if isinstance(a, GT):
+            out.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            out.append(("t", tuple(a.shape), a.dtype))
+        elif isinstance(a, float):
+            out.append(float)
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _meta(a):
+    GT = _global_type()
+    if isinstance(a, GT):
+        return torch.empty(a.shape, dtype=a.dtype, device="meta")
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    return a
+
+
+def _outputs_on_meta(func, args, kwargs):
+    out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+    leaves, tree = tree_flatten(out)
+    metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
+    return metas, tree
+
+
+@dataclass(frozen=True)
+class Decision:
+    in_specs: tuple[GlobalSpec, ...]
+    out_specs: tuple[GlobalSpec | None, ...]
+    out_tree: Any
+
+
+def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
+    metas, tree = _outputs_on_meta(func, args, kwargs)
+    call = Call(func, args, kwargs, specs, metas)
+    candidates = list(rule.candidates(call))
+    P = specs[0].placement
+    best, best_cost = None, None
+    for combo in itertools.product(candidates, repeat=P.ndim):
+        req = tuple(
+            s._replace(nd_sbp=tuple(c.inputs[j] for c in combo)) for j, s in enumerate(specs)
+        )
+        cost = sum(plan_specs(s, r).cost for s, r in zip(specs, req, strict=True) if s != r)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = (combo, req), cost
+    if best is None:
+        raise AssertionError(f"{func}: the rule gave no candidate")
+    combo, req = best
+    outs, k = [], 0
+    for m in metas:
+        if m is None:
+            outs.append(None)
+            continue
+        nd = tuple(c.outputs[k] for c in combo)
+        outs.append(GlobalSpec(P, nd, m[0], m[1]))
+        k += 1
+    return Decision(req, tuple(outs), tree)
+
+
+def decision_for(rule: StrategyRule, func, args, kwargs, flat, specs) -> Decision:
+    key = (func, _static_key(flat))
+    d = _cache.get(key)
+    if d is None:
+        d = _decide(rule, func, args, kwargs, specs)
+        _cache[key] = d
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return d
+
+
+_inplace: dict = {}
+
+
+def is_inplace(func) -> bool:
+    """Does `func` write into its first argument and return it (`add_`, `bernoulli_`, ...)?"""
+    found = _inplace.get(func)
+    if found is None:
+        args = func._schema.arguments
+        alias = args[0].alias_info if args else None
+        found = _inplace[func] = bool(
+            alias is not None and alias.is_write and not args[0].kwarg_only
+        )
+    return found
+
+
+def run_strategy(rule: StrategyRule, func, args, kwargs) -> Any:
+    from sbp.boxing.executor import empty_local
     from sbp.tensor import GlobalTensor, box
 
+    flat, tree = tree_flatten((args, kwargs))
+    gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
+    specs = [flat[i]._spec for i in gpos]
+    d = decision_for(rule, func, args, kwargs, flat, specs)
+    me = env.get_rank()
+    inside = me in specs[0].placement
+    local_flat = list(flat)
+    for i, req in zip(gpos, d.in_specs, strict=True):
+        g = flat[i]
+        local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
+    inplace = is_inplace(func)
+    if inside:
+        largs, lkwargs = tree_unflatten(local_flat, tree)
+        if rule.local_args is not None:
+            largs, lkwargs = rule.local_args(func, largs, lkwargs, me, d.in_specs, d.out_specs)
+        out = func(*largs, **lkwargs)
+        leaves, _ = tree_flatten(out)
+        if rule.post is not None:
+            leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
+    else:
+        leaves = [None if s is None else empty_local(s) for s in d.out_specs]
+    if inplace:
+        self_ = flat[gpos[0]]
+        if inside:
+            self_._local = local_flat[gpos[0]]  # the op wrote into it (boxed first if needed)
+        self_._spec = d.out_specs[0]
+        return self_
+    wrapped = [
+        GlobalTensor(t, s) if s is not None and isinstance(t, torch.Tensor) else t
+        for t, s in zip(leaves, d.out_specs, strict=True)
+    ]
+    return tree_unflatten(wrapped, d.out_tree)
+
+
+def rebox(g, nd_sbp) -> Any:
+    """`g` converted to `nd_sbp` on its placement, outside autograd (for use inside rules)."""
+    from sbp.tensor import GlobalTensor, box
+
+    target = g._spec._replace(nd_sbp=tuple(nd_sbp))
+    if target == g._spec:
+        return g
+    return GlobalTensor(box(g._local, g._spec, target), target)
+
+
+def without_partials(g) -> Any:
+    """`g` with every partial hierarchy dim reduced to broadcast."""
+    return rebox(g, tuple(broadcast if s.is_partial else s for s in g._spec.nd_sbp))
+
+
+# ---------------------------------------------------------------- fallback
+
+
+def fallback(func, args: tuple, kwargs: dict) -> Any:
+    """Box every global input to broadcast, run the op locally, wrap outputs as broadcast."""
     name = str(func)
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"sbp: no SBP rule for {name}; running it on broadcast inputs", stacklevel=3)
-        stats.record(f"fallback:{name}", 0)
-    gts, _ = global_args(args, kwargs)
-    P = gts[0].placement
-    all_b = (broadcast,) * P.ndim
-    if env.get_rank() not in P:
-        return run_on_meta(func, args, kwargs, P, all_b)
-
-    def unwrap(a):
-        if isinstance(a, GlobalTensor):
-            return box(a._local, a._spec, a._spec._replace(nd_sbp=all_b))
-        return a
-
-    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-    return wrap_like(out, P, all_b)
+    stats.record(f"fallback:{name}", 0)
+    return run_strategy(_FALLBACK, func, args, kwargs)
 
 
-def run_on_meta(func, args: tuple, kwargs: dict, placement, nd_sbp) -> Any:
-    """Ranks outside the placement hold metadata only: find the output shapes on meta tensors."""
-    from sbp.boxing.executor import empty_local
-    from sbp.layout import GlobalSpec
-    from sbp.tensor import GlobalTensor
-
-    def to_meta(a):
-        if isinstance(a, GlobalTensor):
-            return torch.empty(a.shape, dtype=a.dtype, device="meta")
-        return a
-
-    out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-
-    def wrap(t):
-        if isinstance(t, torch.Tensor):
-            spec = GlobalSpec(placement, nd_sbp, tuple(t.shape), t.dtype)
-            return GlobalTensor(empty_local(spec), spec)
-        return t
-
-    return tree_map(wrap, out)
+def _all_broadcast(call: Call) -> list[Strategy]:
+    n_out = sum(m is not None for m in call.out_meta)
+    return [Strategy((broadcast,) * len(call.specs), (broadcast,) * n_out)]
 
 
-def wrap_like(out: Any, placement, nd_sbp) -> Any:
-    """Wrap every tensor in `out` (this rank's locals) as a global tensor with `nd_sbp`."""
-    from sbp.layout import GlobalSpec
-    from sbp.tensor import GlobalTensor
-
-    def wrap(t):
-        if isinstance(t, torch.Tensor) and not isinstance(t, GlobalTensor):
-            return GlobalTensor(t, GlobalSpec(placement, nd_sbp, tuple(t.shape), t.dtype))
-        return t
-
-    return tree_map(wrap, out)
+_FALLBACK = StrategyRule(_all_broadcast)

@@ -1,0 +1,81 @@
+"""Factories of global tensors: the logical value does not depend on placement or sbp.
+
+Every rank draws the whole logical tensor from torch's own generator, then keeps
+its part, so after `sbp.manual_seed(s)` the value is what one process would draw
+after `torch.manual_seed(s)`; ranks outside the placement draw too, to keep the
+generators of all ranks in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sbp import env
+from sbp import random as sbp_random
+from sbp.boxing.executor import local_device
+from sbp.layout import GlobalSpec
+from sbp.placement import placement as Placement
+from sbp.signature import broadcast, normalize_nd_sbp
+from sbp.tensor import GlobalTensor, box
+
+
+def manual_seed(seed: int) -> None:
+    """Seed torch's generators and sbp's random ops alike on this rank (use one seed on all)."""
+    torch.manual_seed(seed)
+    sbp_random.manual_seed(seed)
+
+
+def from_logical(
+    value: torch.Tensor, placement: Placement, sbp: Any, requires_grad: bool = False
+) -> GlobalTensor:
+    """A global tensor whose logical value is `value` (the same on every rank)."""
+    from sbp.errors import PlacementError
+
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
+    placement.check_in_world(env.get_world_size())
+    nd = normalize_nd_sbp(sbp, placement.ndim, value.dim())
+    all_b = GlobalSpec(placement, (broadcast,) * placement.ndim, tuple(value.shape), value.dtype)
+    target = all_b._replace(nd_sbp=nd)
+    local = value if env.get_rank() in placement else value.new_empty(0)
+    out = GlobalTensor(box(local, all_b, target).detach(), target)
+    if requires_grad:
+        out.requires_grad_()
+    return out
+
+
+def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_grad: bool = False):
+    """`sbp.tensor(data, placement, sbp)`: data is the full logical value on every rank."""
+    value = torch.as_tensor(data, dtype=dtype, device=local_device(placement.type))
+    return from_logical(value.clone(), placement, sbp, requires_grad)
+
+
+def _factory(fn):
+    def make(*size, placement: Placement, sbp: Any, dtype=None, requires_grad: bool = False, **kw):
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+            size = tuple(size[0])
+        value = fn(*size, dtype=dtype, device=local_device(placement.type), **kw)
+        return from_logical(value, placement, sbp, requires_grad)
+
+    make.__name__ = fn.__name__
+    make.__doc__ = f"`sbp.{fn.__name__}(*size, placement=, sbp=, ...)`: like torch.{fn.__name__}."
+    return make
+
+
+randn = _factory(torch.randn)
+rand = _factory(torch.rand)
+zeros = _factory(torch.zeros)
+ones = _factory(torch.ones)
+empty = _factory(torch.empty)
+
+
+def full(size, fill_value, *, placement: Placement, sbp: Any, dtype=None, requires_grad=False):
+    value = torch.full(tuple(size), fill_value, dtype=dtype, device=local_device(placement.type))
+    return from_logical(value, placement, sbp, requires_grad)
+
+
+def arange(*args, placement: Placement, sbp: Any, dtype=None, requires_grad=False):
+    value = torch.arange(*args, dtype=dtype, device=local_device(placement.type))
+    return from_logical(value, placement, sbp, requires_grad)

@@ -1,0 +1,396 @@
+"""Neural-network ops: convolution, softmax, losses, normalisation, pooling, embedding, dropout.
+
+Most follow a batch split (`split(0)`) and keep parameters broadcast; a split
+batch makes parameter gradients partial sums. BatchNorm in train mode and
+mean-reduced losses are computed with the logical semantics: statistics and
+averages over the whole logical batch, as one process would compute them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sbp import env
+from sbp.layout import GlobalSpec
+from sbp.ops.registry import Call, Strategy, rebox, register, register_strategy, without_partials
+from sbp.random import draw_seed
+from sbp.signature import broadcast, partial_sum, split
+
+aten = torch.ops.aten
+B, P = broadcast, partial_sum
+
+
+def by_position(call: Call, sbps: dict[int, object], default=B) -> tuple:
+    """An SBP for each global argument, chosen by its positional index."""
+    from sbp.tensor import GlobalTensor
+
+    out = []
+    for i, a in enumerate(call.args):
+        if isinstance(a, GlobalTensor):
+            out.append(sbps.get(i, default))
+    for a in call.kwargs.values():
+        if isinstance(a, GlobalTensor):
+            out.append(default)
+    return tuple(out)
+
+
+def _present(call: Call, sbps) -> tuple:
+    """Output SBPs for the outputs that exist (masked-out gradients are None)."""
+    return tuple(s for s, m in zip(sbps, call.out_meta, strict=False) if m is not None)
+
+
+# ---------------------------------------------------------------- convolution
+
+
+@register_strategy(aten.convolution)
+def convolution(call: Call) -> list[Strategy]:
+    S0, S1 = split(0), split(1)
+    cands = [
+        Strategy(by_position(call, {}), (B,)),
+        Strategy(by_position(call, {0: S0}), (S0,)),
+        Strategy(by_position(call, {0: P, 2: P}), (P,)),
+    ]
+    transposed, groups = call.arg(6, "transposed"), call.arg(8, "groups")
+    if not transposed and groups == 1:
+        cands.append(Strategy(by_position(call, {1: S0, 2: S0}), (S1,)))
+    return cands
+
+
+@register_strategy(aten.convolution_backward)
+def convolution_backward(call: Call) -> list[Strategy]:
+    S0 = split(0)
+    return [
+        Strategy(by_position(call, {}), _present(call, (B, B, B))),
+        Strategy(by_position(call, {0: S0, 1: S0}), _present(call, (S0, P, P))),
+        Strategy(by_position(call, {0: P}), _present(call, (P, P, P))),
+    ]
+
+
+# ---------------------------------------------------------------- softmax and losses
+
+
+def _except_dim(call: Call, dim_pos: int, n_in: int) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    dim = call.arg(dim_pos, "dim")
+    dim = dim + ndim if dim < 0 else dim
+    cands = [Strategy((B,) * n_in, (B,))]
+    cands += [Strategy((split(d),) * n_in, (split(d),)) for d in range(ndim) if d != dim]
+    return cands
+
+
+@register_strategy(aten._log_softmax, aten._softmax)
+def softmax(call: Call) -> list[Strategy]:
+    return _except_dim(call, 1, 1)
+
+
+@register_strategy(aten._log_softmax_backward_data, aten._softmax_backward_data)
+def softmax_backward(call: Call) -> list[Strategy]:
+    return _except_dim(call, 2, 2)
+
+
+def _batch_layout(spec: GlobalSpec) -> tuple:
+    """Keep splits of the batch dim (0); everything else broadcast."""
+    return tuple(s if s.is_split and s.dim == 0 else B for s in spec.nd_sbp)
+
+
+def _partial_on_splits(nd) -> tuple:
+    return tuple(P if s.is_split else B for s in nd)
+
+
+@register(aten.nll_loss_forward.default)
+def nll_loss_forward(func, args, kwargs):
+    """Mean over the logical batch: local sums divided by the all-reduced total weight."""
+    from sbp.tensor import GlobalTensor
+
+    x, target, weight, reduction, ignore_index = args
+    nd = _batch_layout(x._spec) if x.dim() == 2 else tuple(B for _ in x.sbp)
+    x = rebox(x, nd)
+    target = rebox(target, nd)
+    weight = rebox(weight, (B,) * len(nd)) if weight is not None else None
+    placement = x._spec.placement
+    local_reduction = 2 if reduction == 1 else reduction
+    inside = env.get_rank() in placement
+    if inside:
+        out, tw = func(
+            x._local,
+            target._local,
+            None if weight is None else weight._local,
+            local_reduction,
+            ignore_index,
+        )
+    else:
+        out = torch.empty((), dtype=x.dtype) if reduction else torch.empty(0, dtype=x.dtype)
+        tw = torch.empty((), dtype=x.dtype)
+    if reduction == 0:
+        spec = GlobalSpec(placement, nd if x.dim() == 2 else nd, tuple(target.shape), x.dtype)
+        tw_spec = GlobalSpec(placement, (B,) * len(nd), (), x.dtype)
+        return GlobalTensor(out, spec), GlobalTensor(tw, tw_spec)
+    parts = _partial_on_splits(nd)
+    total = rebox(GlobalTensor(tw, GlobalSpec(placement, parts, (), x.dtype)), (B,) * len(nd))
+    if reduction == 2:
+        return GlobalTensor(out, GlobalSpec(placement, parts, (), x.dtype)), total
+    return GlobalTensor(
+        out / total._local if inside else out, GlobalSpec(placement, parts, (), x.dtype)
+    ), total
+
+
+@register_strategy(aten.nll_loss_backward)
+def nll_loss_backward(call: Call) -> list[Strategy]:
+    S0 = split(0)
+    reduction = call.arg(4, "reduction")
+    first = {0: S0} if reduction == 0 else {}
+    return [
+        Strategy(by_position(call, {}), (B,)),
+        Strategy(by_position(call, {**first, 1: S0, 2: S0}), (S0,)),
+    ]
+
+
+# ---------------------------------------------------------------- batch norm
+
+
+def _stat_dims(x) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+def _channel_shape(x) -> tuple:
+    return (1, -1) + (1,) * (x.dim() - 2)
+
+
+def _all_reduced(local: torch.Tensor, placement, nd) -> torch.Tensor:
+    """Sum of `local` over the hierarchy dims where `nd` splits (a partial sum made whole)."""
+    from sbp.tensor import GlobalTensor
+
+    spec = GlobalSpec(placement, _partial_on_splits(nd), tuple(local.shape), local.dtype)
+    return rebox(GlobalTensor(local, spec), (B,) * len(nd))._local
+
+
+def _bn_layout(x) -> tuple:
+    return tuple(s if s.is_split and s.dim != 1 else B for s in x._spec.nd_sbp)
+
+
+@register(aten.native_batch_norm.default)
+def native_batch_norm(func, args, kwargs):
+    """Train mode: mean and variance over the whole logical batch (two all-reduces, exact)."""
+    from sbp.tensor import GlobalTensor
+
+    x, weight, bias, running_mean, running_var, training, momentum, eps = args
+    nd = _bn_layout(x)
+    x = rebox(x, nd)
+    placement = x._spec.placement
+    allb = (B,) * len(nd)
+    params = [rebox(t, allb)._local if t is not None else None for t in (weight, bias)]
+    inside = env.get_rank() in placement
+    C = x.shape[1]
+    stat_spec = GlobalSpec(placement, allb, (C,), x.dtype)
+    if not inside:
+        from sbp.boxing.executor import empty_local
+
+        empty = empty_local(stat_spec)
+        return (
+            GlobalTensor(empty_local(x._spec), x._spec),
+            GlobalTensor(empty, stat_spec),
+            GlobalTensor(empty, stat_spec),
+        )
+    xl = x._local
+    if not training or not any(s.is_split for s in nd):
+        locs = [t._local if t is not None else None for t in (running_mean, running_var)]
+        out, m, v = func(xl, *params, *locs, training, momentum, eps)
+        shape_m = tuple(m.shape)
+        mspec = stat_spec._replace(shape=shape_m, dtype=m.dtype)
+        return (
+            GlobalTensor(out, x._spec),
+            GlobalTensor(m, mspec),
+            GlobalTensor(v, mspec._replace(shape=tuple(v.shape))),
+        )
+    dims = _stat_dims(xl)
+    n = math.prod(x.shape[d] for d in dims)
+    acc = torch.float64 if xl.dtype == torch.float64 else torch.float32
+    mean = _all_reduced(xl.sum(dims, dtype=acc), placement, nd) / n
+    centered = xl - mean.to(xl.dtype).view(_channel_shape(xl))
+    var = _all_reduced((centered * centered).sum(dims, dtype=acc), placement, nd) / n
+    invstd = torch.rsqrt(var + eps)
+    out = centered * invstd.to(xl.dtype).view(_channel_shape(xl))
+    if params[0] is not None:
+        out = out * params[0].view(_channel_shape(xl))
+    if params[1] is not None:
+        out = out + params[1].view(_channel_shape(xl))
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean._local.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = var * (n / max(n - 1, 1))
+            running_var._local.mul_(1 - momentum).add_(
+                unbiased.to(running_var.dtype), alpha=momentum
+            )
+    return (
+        GlobalTensor(out, x._spec),
+        GlobalTensor(mean.to(xl.dtype), stat_spec),
+        GlobalTensor(invstd.to(xl.dtype), stat_spec),
+    )
+
+
+@register(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(func, args, kwargs):
+    """Train mode: the two gradient sums are all-reduced, so parameter grads come out whole."""
+    from sbp.tensor import GlobalTensor
+
+    grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask = args
+    nd = _bn_layout(x)
+    x, grad_out = rebox(x, nd), rebox(grad_out, nd)
+    placement = x._spec.placement
+    allb = (B,) * len(nd)
+    loc = [
+        rebox(t, allb)._local if t is not None else None
+        for t in (weight, running_mean, running_var, save_mean, save_invstd)
+    ]
+    inside = env.get_rank() in placement
+    C = x.shape[1]
+    split_batch = any(s.is_split for s in nd)
+    param_nd = allb if train and split_batch else _partial_on_splits(nd)
+    pspec = GlobalSpec(placement, param_nd, (C,), x.dtype)
+    if not inside:
+        from sbp.boxing.executor import empty_local
+
+        outs = [empty_local(x._spec), empty_local(pspec), empty_local(pspec)]
+    elif not train or not split_batch:
+        outs = list(func(grad_out._local, x._local, *loc, train, eps, mask))
+    else:
+        xl, dy = x._local, grad_out._local
+        dims = _stat_dims(xl)
+        n = math.prod(x.shape[d] for d in dims)
+        shape = _channel_shape(xl)
+        mean, invstd = loc[3], loc[4]
+        xhat = (xl - mean.view(shape)) * invstd.view(shape)
+        sums = _all_reduced(torch.stack([dy.sum(dims), (dy * xhat).sum(dims)]), placement, nd)
+        sum_dy, sum_dy_xhat = sums[0], sums[1]
+        scale = invstd if loc[0] is None else invstd * loc[0]
+        grad_in = (
+            dy - (sum_dy / n).view(shape) - xhat * (sum_dy_xhat / n).view(shape)
+        ) * scale.view(shape)
+        outs = [
+            grad_in if mask[0] else None,
+            sum_dy_xhat if mask[1] else None,
+            sum_dy if mask[2] else None,
+        ]
+    specs = [x._spec, pspec, pspec]
+    return tuple(
+        GlobalTensor(o, s) if o is not None else None for o, s in zip(outs, specs, strict=True)
+    )
+
+
+# ---------------------------------------------------------------- pooling, layer norm, embedding
+
+
+def _leading(call: Call, n_in: int, n_out: int, spatial: int = 2) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    cands = [Strategy((B,) * n_in, (B,) * n_out)]
+    cands += [Strategy((split(d),) * n_in, (split(d),) * n_out) for d in range(ndim - spatial)]
+    return cands
+
+
+@register_strategy(aten.max_pool2d_with_indices, aten._adaptive_avg_pool2d, aten.avg_pool2d)
+def pool(call: Call) -> list[Strategy]:
+    return _leading(call, 1, sum(m is not None for m in call.out_meta))
+
+
+@register_strategy(
+    aten.max_pool2d_with_indices_backward,
+    aten._adaptive_avg_pool2d_backward,
+    aten.avg_pool2d_backward,
+)
+def pool_backward(call: Call) -> list[Strategy]:
+    return _leading(call, len(call.specs), 1)
+
+
+@register_strategy(aten.native_layer_norm)
+def layer_norm(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    lead = ndim - len(call.arg(1, "normalized_shape"))
+    cands = [Strategy(by_position(call, {}), (B, B, B))]
+    cands += [Strategy(by_position(call, {0: split(d)}), (split(d),) * 3) for d in range(lead)]
+    return cands
+
+
+@register_strategy(aten.native_layer_norm_backward)
+def layer_norm_backward(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    lead = ndim - len(call.arg(2, "normalized_shape"))
+    cands = [Strategy(by_position(call, {}), _present(call, (B, B, B)))]
+    for d in range(lead):
+        s = split(d)
+        cands.append(
+            Strategy(by_position(call, {0: s, 1: s, 3: s, 4: s}), _present(call, (s, P, P)))
+        )
+    return cands
+
+
+@register_strategy(aten.embedding)
+def embedding(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[1].shape)
+    return [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]
+
+
+@register_strategy(aten.embedding_dense_backward)
+def embedding_backward(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[1].shape)
+    return [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+
+
+# ---------------------------------------------------------------- dropout and random ops
+
+
+def _split_coords(spec: GlobalSpec) -> tuple:
+    """This rank's coordinates on split hierarchy dims (0 elsewhere): equal wherever the data is."""
+    coord = spec.placement.coord(env.get_rank())
+    return tuple(c if s.is_split else 0 for c, s in zip(coord, spec.nd_sbp, strict=True))
+
+
+def _generator(spec: GlobalSpec, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(draw_seed(_split_coords(spec) if env.get_rank() in spec.placement else None))
+    return gen
+
+
+@register(aten.bernoulli_.float)
+def bernoulli_(func, args, kwargs):
+    """Each shard draws its own mask; a broadcast tensor draws the same mask on every rank."""
+    x, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    x = without_partials(x) if any(s.is_partial for s in x.sbp) else x
+    args[0]._spec, args[0]._local = x._spec, x._local
+    gen = _generator(x._spec, x._local.device)
+    if env.get_rank() in x._spec.placement:
+        x._local.bernoulli_(p, generator=gen)
+    return args[0]
+
+
+@register(aten.native_dropout.default)
+def native_dropout(func, args, kwargs):
+    from sbp.tensor import GlobalTensor
+
+    x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
+    x = without_partials(x)
+    if not train or p == 0:
+        return x, GlobalTensor(
+            torch.ones_like(x._local, dtype=torch.bool), x._spec._replace(dtype=torch.bool)
+        )
+    gen = _generator(x._spec, x._local.device)
+    mask = torch.empty_like(x._local).bernoulli_(1 - p, generator=gen).to(torch.bool)
+    out = x._local * mask * (1.0 / (1 - p)) if p < 1 else torch.zeros_like(x._local)
+    return GlobalTensor(out, x._spec), GlobalTensor(mask, x._spec._replace(dtype=torch.bool))
+
+
+@register_strategy(aten.native_dropout_backward)
+def native_dropout_backward(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    return [Strategy((B, B), (B,))] + [
+        Strategy((split(d), split(d)), (split(d),)) for d in range(ndim)
+    ]
+
+
+@register(aten._local_scalar_dense.default)
+def item(func, args, kwargs):
+    """`.item()`: the logical value (communicates; every rank of the placement calls it)."""
+    x = rebox(args[0], (B,) * args[0].placement.ndim)
+    return x._local.item()

@@ -1,0 +1,171 @@
+"""Elementwise ops with broadcasting: split any output dim, or keep partials where linear.
+
+Splitting output dim d needs each input split on the dim aligned with d, or
+broadcast where the input is size 1 (or absent) along d. Partial sums survive
+ops that are linear: a sum of partials (add, sub), one partial times
+broadcast values (mul, div by a broadcast denominator), and scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sbp.ops.registry import Call, Strategy, register_strategy
+from sbp.signature import broadcast, partial_sum, split
+
+aten = torch.ops.aten
+
+
+def _tensor_args(call: Call) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    flat, _ = tree_flatten((call.args, call.kwargs))
+    return sum(isinstance(a, torch.Tensor) for a in flat)
+
+
+def split_candidates(call: Call) -> list[Strategy]:
+    """All-broadcast, then one candidate per output dim that every input can follow."""
+    out_shape = call.out_meta[0][0]
+    n_out = sum(m is not None for m in call.out_meta)
+    cands = [Strategy((broadcast,) * len(call.specs), (broadcast,) * n_out)]
+    for d in range(len(out_shape)):
+        ins = []
+        for s in call.specs:
+            dd = d - (len(out_shape) - len(s.shape))
+            ins.append(split(dd) if dd >= 0 and s.shape[dd] == out_shape[d] else broadcast)
+        cands.append(Strategy(tuple(ins), (split(d),) * n_out))
+    return cands
+
+
+NONLINEAR = [
+    aten.abs,
+    aten.exp,
+    aten.log,
+    aten.log1p,
+    aten.sqrt,
+    aten.rsqrt,
+    aten.reciprocal,
+    aten.sigmoid,
+    aten.tanh,
+    aten.relu,
+    aten.relu_,
+    aten.gelu,
+    aten.silu,
+    aten.silu_,
+    aten.hardtanh,
+    aten.hardtanh_,
+    aten.hardswish,
+    aten.hardsigmoid,
+    aten.erf,
+    aten.sin,
+    aten.cos,
+    aten.pow,
+    aten.clamp,
+    aten.clamp_,
+    aten.clamp_min,
+    aten.clamp_max,
+    aten.sign,
+    aten.threshold_backward,
+    aten.hardtanh_backward,
+    aten.gelu_backward,
+    aten.sigmoid_backward,
+    aten.tanh_backward,
+    aten.silu_backward,
+    aten.hardswish_backward,
+    aten.where,
+    aten.lerp,
+    aten.lerp_,
+    aten.addcmul,
+    aten.addcmul_,
+    aten.addcdiv,
+    aten.addcdiv_,
+    aten.maximum,
+    aten.minimum,
+    aten.eq,
+    aten.ne,
+    aten.lt,
+    aten.gt,
+    aten.le,
+    aten.ge,
+    aten.logical_and,
+    aten.logical_or,
+    aten.logical_not,
+    aten.masked_fill,
+    aten.masked_fill_,
+    aten.fill_,
+    aten.isnan,
+    aten.isinf,
+    aten.isfinite,
+    aten.floor,
+    aten.ceil,
+    aten.round,
+    aten.trunc,
+    aten.frac,
+    aten.bitwise_and,
+    aten.bitwise_or,
+    aten.square,
+    aten.rsub,
+    aten.remainder,
+    aten.fmod,
+    aten.exp_,
+    aten.sqrt_,
+    aten.pow_,
+    aten.leaky_relu,
+    aten.leaky_relu_backward,
+    aten.elu,
+    aten.softplus,
+    aten.nan_to_num,
+]
+SCALING = [
+    aten.neg,
+    aten.neg_,
+    aten.clone,
+    aten._to_copy,
+    aten.zero_,
+    aten.positive,
+    aten.mul.Scalar,
+    aten.mul_.Scalar,
+    aten.div.Scalar,
+    aten.div_.Scalar,
+    aten.copy_,
+    aten.contiguous,
+]
+ADDITIVE = [aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor]
+PRODUCTS = [aten.mul.Tensor, aten.mul_.Tensor]
+QUOTIENTS = [aten.div.Tensor, aten.div_.Tensor, aten.div.Tensor_mode]
+
+
+@register_strategy(*NONLINEAR)
+def nonlinear(call: Call) -> list[Strategy]:
+    return split_candidates(call)
+
+
+@register_strategy(*SCALING)
+def scaling(call: Call) -> list[Strategy]:
+    """Linear in its one global input: a partial sum stays partial."""
+    cands = split_candidates(call)
+    if len(call.specs) == 1 or call.func in (aten.copy_.default,):
+        n_out = sum(m is not None for m in call.out_meta)
+        cands.append(Strategy((partial_sum,) * len(call.specs), (partial_sum,) * n_out))
+    return cands
+
+
+@register_strategy(*ADDITIVE)
+def additive(call: Call) -> list[Strategy]:
+    """A sum of partial sums is a partial sum, unless a constant would be added on every rank."""
+    cands = split_candidates(call)
+    if _tensor_args(call) == len(call.specs):
+        cands.append(Strategy((partial_sum,) * len(call.specs), (partial_sum,)))
+    return cands
+
+
+@register_strategy(*PRODUCTS, *QUOTIENTS)
+def product(call: Call) -> list[Strategy]:
+    """One partial factor times broadcast factors stays partial (for a quotient, the numerator)."""
+    cands = split_candidates(call)
+    n = len(call.specs)
+    positions = [0] if call.func.overloadpacket in (aten.div, aten.div_) else range(n)
+    for i in positions:
+        ins = tuple(partial_sum if j == i else broadcast for j in range(n))
+        cands.append(Strategy(ins, (partial_sum,)))
+    return cands

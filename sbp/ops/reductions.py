@@ -1,0 +1,136 @@
+"""Reductions: over an unsplit dim a split stays; over a split dim the result is partial.
+
+A sum over a split dim gives partial sums; a mean gives each rank's local mean
+weighted by its share of the logical count (uneven shards stay exact); amax and
+amin give partial max and min. Norms reduce |x|^p as a partial sum, finish on
+broadcast, then take the root.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sbp.layout import GlobalSpec
+from sbp.ops.registry import Call, Strategy, register, register_strategy, without_partials
+from sbp.signature import Partial, broadcast, partial_sum, split
+
+aten = torch.ops.aten
+
+
+def reduced_dims(call: Call, dim_pos: int = 1) -> tuple[list[int], bool]:
+    """The normalised reduced dims and keepdim of a reduction call."""
+    ndim = len(call.specs[0].shape)
+    dims = call.arg(dim_pos, "dim", None)
+    if call.func.overloadpacket in (aten.sum, aten.mean) and call.func._overloadname == "default":
+        dims = None
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = list(range(ndim))
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = sorted({d + ndim if d < 0 else d for d in dims})
+    keepdim = bool(call.arg(dim_pos + 1, "keepdim", False))
+    return dims, keepdim
+
+
+def reduction_candidates(call: Call, over_split) -> list[Strategy]:
+    """B -> B; S(d) kept on unreduced dims; S(d) over a reduced dim -> `over_split`."""
+    dims, keepdim = reduced_dims(call)
+    ndim = len(call.specs[0].shape)
+    cands = [Strategy((broadcast,), (broadcast,))]
+    for d in range(ndim):
+        if d in dims:
+            if over_split is not None:
+                cands.append(Strategy((split(d),), (over_split,)))
+        else:
+            out_d = d if keepdim else d - sum(r < d for r in dims)
+            cands.append(Strategy((split(d),), (split(out_d),)))
+    return cands
+
+
+@register_strategy(aten.sum)
+def sum_(call: Call) -> list[Strategy]:
+    return [*reduction_candidates(call, partial_sum), Strategy((partial_sum,), (partial_sum,))]
+
+
+def _mean_share(func, args, kwargs, outs, in_specs, out_specs):
+    """Turn each rank's local mean over split dims into its share of the logical mean."""
+    from sbp import env
+
+    spec: GlobalSpec = in_specs[0]
+    dims, _ = reduced_dims(Call(func, args, kwargs, [spec], []))
+    local = spec.local_shape(env.get_rank())
+    local_count = math.prod(local[d] for d in dims)
+    logical_count = math.prod(spec.shape[d] for d in dims)
+    if local_count == logical_count:
+        return outs
+    out = torch.zeros_like(outs[0]) if local_count == 0 else outs[0] * (local_count / logical_count)
+    return [out, *outs[1:]]
+
+
+@register_strategy(aten.mean, post=_mean_share)
+def mean(call: Call) -> list[Strategy]:
+    return [*reduction_candidates(call, partial_sum), Strategy((partial_sum,), (partial_sum,))]
+
+
+@register_strategy(aten.amax)
+def amax(call: Call) -> list[Strategy]:
+    return reduction_candidates(call, Partial("max"))
+
+
+@register_strategy(aten.amin)
+def amin(call: Call) -> list[Strategy]:
+    return reduction_candidates(call, Partial("min"))
+
+
+@register_strategy(
+    aten.var,
+    aten.std,
+    aten.var_mean,
+    aten.std_mean,
+    aten.prod,
+    aten.argmax,
+    aten.argmin,
+    aten.max.dim,
+    aten.min.dim,
+)
+def over_unsplit_only(call: Call) -> list[Strategy]:
+    """Not decomposable as one partial: keep splits on unreduced dims, else broadcast."""
+    cands = reduction_candidates(call, None)
+    n_out = sum(m is not None for m in call.out_meta)
+    return [Strategy(c.inputs, c.outputs * n_out) for c in cands]
+
+
+@register(aten.linalg_vector_norm.default)
+def vector_norm(func, args, kwargs):
+    """sum(|x|^p) is a partial sum over split dims: reduce it, then take the root."""
+    x = args[0]
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    rest = dict(zip(("dim", "keepdim"), args[2:4], strict=False)) | {
+        k: v for k, v in kwargs.items() if k != "ord"
+    }
+    x = without_partials(x)
+    if ord_ in (float("inf"), float("-inf")):
+        out = (
+            x.abs().amax(dim=rest.get("dim"), keepdim=rest.get("keepdim", False))
+            if ord_ > 0
+            else x.abs().amin(dim=rest.get("dim"), keepdim=rest.get("keepdim", False))
+        )
+        return _finish(out, None)
+    if ord_ == 0:
+        out = (x != 0).to(x.dtype).sum(dim=rest.get("dim"), keepdim=rest.get("keepdim", False))
+        return _finish(out, None)
+    powered = x.abs().pow(ord_) if ord_ != 2 else x * x
+    dim = rest.get("dim")
+    out = powered.sum(
+        dim=dim if dim is not None else list(range(x.dim())), keepdim=rest.get("keepdim", False)
+    )
+    if rest.get("dtype") is not None:
+        out = out.to(rest["dtype"])
+    return _finish(out, 1.0 / ord_)
+
+
+def _finish(out, root):
+    out = without_partials(out)
+    return out if root is None else out.pow(root)

@@ -1,0 +1,120 @@
+"""View and shape ops: a split follows the dim it lives on; size arguments become local sizes.
+
+A split survives a view only on a dim kept whole (same size, same product of
+the dims before it), so every rank's local view is exactly its shard of the
+logical result, uneven shards included. Partial sums pass through every view.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sbp.ops.registry import Call, Strategy, register_strategy
+from sbp.signature import broadcast, partial_sum, split
+
+aten = torch.ops.aten
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def mapped(pairs: list[tuple[int, int]], n_in: int, n_out: int = 1) -> list[Strategy]:
+    """B, P, and S(a) -> S(b) for each (input dim a, output dim b) that a view keeps whole."""
+    cands = [
+        Strategy((broadcast,) * n_in, (broadcast,) * n_out),
+        Strategy((partial_sum,) * n_in, (partial_sum,) * n_out),
+    ]
+    for a, b in pairs:
+        cands.append(Strategy((split(a),) * n_in, (split(b),) * n_out))
+    return cands
+
+
+def kept_dims(in_shape, out_shape) -> list[tuple[int, int]]:
+    """(a, b) where input dim a reappears whole as output dim b of a reshape."""
+    pairs = []
+    for a, size in enumerate(in_shape):
+        before = math.prod(in_shape[:a])
+        for b, osize in enumerate(out_shape):
+            if osize == size and math.prod(out_shape[:b]) == before:
+                pairs.append((a, b))
+                break
+    return pairs
+
+
+def local_out_size(func, args, kwargs, rank, in_specs, out_specs):
+    """Replace the size argument (position 1) by this rank's local output shape."""
+    return (args[0], list(out_specs[0].local_shape(rank)), *args[2:]), kwargs
+
+
+@register_strategy(
+    aten.view, aten._unsafe_view, aten.reshape, aten.expand, local_args=local_out_size
+)
+def reshape(call: Call) -> list[Strategy]:
+    in_shape, out_shape = call.specs[0].shape, call.out_meta[0][0]
+    if call.func.overloadpacket is aten.expand:
+        off = len(out_shape) - len(in_shape)
+        pairs = [(a, a + off) for a, s in enumerate(in_shape) if s == out_shape[a + off]]
+    else:
+        pairs = kept_dims(in_shape, out_shape)
+    return mapped(pairs, 1)
+
+
+@register_strategy(aten.t, aten.transpose, aten.permute)
+def transpose(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    if call.func.overloadpacket is aten.permute:
+        order = [_norm(d, ndim) for d in call.arg(1, "dims")]
+    else:
+        order = list(range(ndim))
+        if ndim >= 2:
+            d0 = _norm(call.arg(1, "dim0", 0), ndim)
+            d1 = _norm(call.arg(2, "dim1", 1), ndim)
+            order[d0], order[d1] = order[d1], order[d0]
+    return mapped([(a, order.index(a)) for a in range(ndim)], 1)
+
+
+@register_strategy(aten.unsqueeze, aten.squeeze)
+def squeeze(call: Call) -> list[Strategy]:
+    in_shape, out_shape = call.specs[0].shape, call.out_meta[0][0]
+    return mapped(kept_dims(in_shape, out_shape), 1)
+
+
+@register_strategy(aten.slice, aten.select, aten.narrow)
+def slicing(call: Call) -> list[Strategy]:
+    """Slicing dim `dim` keeps every other dim's split."""
+    ndim = len(call.specs[0].shape)
+    dim = _norm(call.arg(1, "dim", 0), ndim)
+    drop = call.func.overloadpacket is aten.select
+    pairs = [(a, a - (drop and a > dim)) for a in range(ndim) if a != dim]
+    return mapped(pairs, 1)
+
+
+def _sequence_specs(call: Call) -> int:
+    return len(call.specs)
+
+
+@register_strategy(aten.cat, aten.stack)
+def concat(call: Call) -> list[Strategy]:
+    n = _sequence_specs(call)
+    ndim = len(call.specs[0].shape)
+    dim = call.arg(1, "dim", 0)
+    if call.func.overloadpacket is aten.stack:
+        dim = _norm(dim, ndim + 1)
+        pairs = [(a, a + (a >= dim)) for a in range(ndim)]
+    else:
+        dim = _norm(dim, ndim)
+        pairs = [(a, a) for a in range(ndim) if a != dim]
+    return mapped(pairs, n)
+
+
+@register_strategy(aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)
+def splitting(call: Call) -> list[Strategy]:
+    ndim = len(call.specs[0].shape)
+    unbind = call.func.overloadpacket is aten.unbind
+    dim = _norm(call.arg(1 if unbind else 2, "dim", 0), ndim)
+    n_out = sum(m is not None for m in call.out_meta)
+    pairs = [(a, a - (unbind and a > dim)) for a in range(ndim) if a != dim]
+    return mapped(pairs, 1, n_out)
