@@ -16,11 +16,11 @@ from sbp.signature import broadcast, partial_sum, split
 aten = torch.ops.aten
 
 
-def _tensor_args(call: Call) -> int:
-    from torch.utils._pytree import tree_flatten
-
-    flat, _ = tree_flatten((call.args, call.kwargs))
-    return sum(isinstance(a, torch.Tensor) for a in flat)
+def _all_operands_global(call: Call) -> bool:
+    """True when every operand (not counting alpha) is a global tensor, no constant."""
+    return len(call.args) >= 2 and all(
+        isinstance(a, torch.Tensor) and a.is_global for a in call.args[:2]
+    )
 
 
 def split_candidates(call: Call) -> list[Strategy]:
@@ -154,7 +154,7 @@ def scaling(call: Call) -> list[Strategy]:
 def additive(call: Call) -> list[Strategy]:
     """A sum of partial sums is a partial sum, unless a constant would be added on every rank."""
     cands = split_candidates(call)
-    if _tensor_args(call) == len(call.specs):
+    if _all_operands_global(call):
         cands.append(Strategy((partial_sum,) * len(call.specs), (partial_sum,)))
     return cands
 

@@ -111,6 +111,10 @@ def _global_type():
     return GlobalTensor
 
 
+# Ops whose local integer tensors are constants (indices), not data to be placed.
+LOCAL_INDEX_OPS: set = set()
+
+
 def check_placements(func, flat: list) -> None:
     """Mixing global and local tensors, or placements, is an error naming the op."""
     GT = _global_type()
@@ -120,6 +124,8 @@ def check_placements(func, flat: list) -> None:
         if isinstance(a, GT):
             placements.add(a._spec.placement)
         elif isinstance(a, torch.Tensor) and (a.dim() > 0 or a.requires_grad):
+            if func in LOCAL_INDEX_OPS and not a.is_floating_point() and not a.requires_grad:
+                continue
             raise PlacementError(
                 f"{name}: mixes global tensors with a local torch.Tensor of shape "
                 f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
@@ -250,13 +256,15 @@ def run_strategy(rule: StrategyRule, func, args, kwargs) -> Any:
         local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
     inplace = is_inplace(func)
     if inside:
-        largs, lkwargs = tree_unflatten(local_flat, tree)
-        if rule.local_args is not None:
-            largs, lkwargs = rule.local_args(func, largs, lkwargs, me, d.in_specs, d.out_specs)
-        out = func(*largs, **lkwargs)
-        leaves, _ = tree_flatten(out)
-        if rule.post is not None:
-            leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
+        leaves = _empty_outputs(d, me) if not inplace else None
+        if leaves is None:
+            largs, lkwargs = tree_unflatten(local_flat, tree)
+            if rule.local_args is not None:
+                largs, lkwargs = rule.local_args(func, largs, lkwargs, me, d.in_specs, d.out_specs)
+            out = func(*largs, **lkwargs)
+            leaves, _ = tree_flatten(out)
+            if rule.post is not None:
+                leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
     else:
         leaves = [None if s is None else empty_local(s) for s in d.out_specs]
     if inplace:
@@ -285,6 +293,21 @@ def rebox(g, nd_sbp) -> Any:
 def without_partials(g) -> Any:
     """`g` with every partial hierarchy dim reduced to broadcast."""
     return rebox(g, tuple(broadcast if s.is_partial else s for s in g._spec.nd_sbp))
+
+
+def _empty_outputs(d: Decision, rank: int) -> list | None:
+    """Uneven splits leave some ranks empty shards, which some kernels reject; when every
+    output of this rank is empty, there is nothing to compute."""
+    from sbp.boxing.executor import local_device
+
+    shapes = [None if s is None else s.local_shape(rank) for s in d.out_specs]
+    if any(sh is not None and 0 not in sh for sh in shapes) or all(sh is None for sh in shapes):
+        return None
+    device = local_device(d.out_specs[0].placement.type) if d.out_specs[0] else None
+    return [
+        None if s is None else torch.empty(sh, dtype=s.dtype, device=device)
+        for s, sh in zip(d.out_specs, shapes, strict=True)
+    ]
 
 
 # ---------------------------------------------------------------- fallback

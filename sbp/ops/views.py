@@ -11,7 +11,9 @@ import math
 
 import torch
 
-from sbp.ops.registry import Call, Strategy, register_strategy
+from sbp import env
+from sbp.boxing.executor import empty_local
+from sbp.ops.registry import LOCAL_INDEX_OPS, Call, Strategy, rebox, register, register_strategy
 from sbp.signature import broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -118,3 +120,67 @@ def splitting(call: Call) -> list[Strategy]:
     n_out = sum(m is not None for m in call.out_meta)
     pairs = [(a, a - (unbind and a > dim)) for a in range(ndim) if a != dim]
     return mapped(pairs, 1, n_out)
+
+
+@register(aten.index.Tensor)
+def index(func, args, kwargs):
+    """Advanced indexing with global or local (constant) integer indices: run on broadcast
+    values (or partial sums: indexing is linear)."""
+    from sbp.tensor import GlobalTensor
+
+    x, indices = args[0], args[1]
+    nd = tuple(s if s.is_partial else broadcast for s in x.sbp)
+    x = rebox(x, nd)
+    allb = (broadcast,) * len(nd)
+    local_idx = [
+        None if i is None else rebox(i, allb)._local if isinstance(i, GlobalTensor) else i
+        for i in indices
+    ]
+    spec = x._spec
+    meta = func(
+        torch.empty(spec.shape, dtype=spec.dtype, device="meta"),
+        [None if i is None else i.to("meta") for i in local_idx],
+    )
+    out_spec = spec._replace(shape=tuple(meta.shape))
+    if env.get_rank() not in spec.placement:
+        return GlobalTensor(empty_local(out_spec), out_spec)
+    return GlobalTensor(
+        func(x._local, [None if i is None else i.to(x._local.device) for i in local_idx]), out_spec
+    )
+
+
+@register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+def index_put(func, args, kwargs):
+    """Writing `values` at indices: linear in self and values, so both become partial where
+    either is, else broadcast."""
+    from sbp.tensor import GlobalTensor
+
+    x, indices, values = args[0], args[1], args[2]
+    nd = tuple(
+        partial_sum if a.is_partial or b.is_partial else broadcast
+        for a, b in zip(x.sbp, values.sbp, strict=True)
+    )
+    xb, vb = rebox(x, nd), rebox(values, nd)
+    allb = (broadcast,) * len(nd)
+    local_idx = [
+        None if i is None else rebox(i, allb)._local if isinstance(i, GlobalTensor) else i
+        for i in indices
+    ]
+    inside = env.get_rank() in xb._spec.placement
+    if func is aten.index_put.default:
+        out = func(xb._local, local_idx, vb._local, *args[3:], **kwargs) if inside else xb._local
+        return GlobalTensor(out, xb._spec)
+    if inside:
+        func(xb._local, local_idx, vb._local, *args[3:], **kwargs)
+    x._local, x._spec = xb._local, xb._spec
+    return x
+
+
+LOCAL_INDEX_OPS.update(
+    {
+        aten.index.Tensor,
+        aten.index_put.default,
+        aten.index_put_.default,
+        aten._index_put_impl_.default,
+    }
+)

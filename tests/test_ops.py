@@ -1,0 +1,373 @@
+"""SBP rules, table-driven: each row's forward values and input gradients on global tensors equal
+the single-process torch result on the logical tensors, for every input signature listed (the
+ones a rule accepts and ones it must box), on 2 and 4 ranks of a world of 4 and on 2x2.
+
+A new rule joins by adding a row: (inputs, function, signatures to try).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+S0, S1, S2, B, P = sbp.split(0), sbp.split(1), sbp.split(2), sbp.broadcast, sbp.partial_sum
+
+
+@dataclass
+class Row:
+    shapes: list  # logical input shapes; an int-typed input is ("int", shape, high)
+    fn: object
+    sbps: list  # one tuple of SBPs (one per input) per case
+    grad: bool = True
+    two_d: list = field(default_factory=list)  # nd_sbp tuples per input, for a 2x2 placement
+
+
+def _linear(x, w, b):
+    return F.linear(x, w, b)
+
+
+def _bn_train(x, w, b):
+    rm, rv = torch.zeros(x.shape[1], dtype=x.dtype), torch.ones(x.shape[1], dtype=x.dtype)
+    if isinstance(x, sbp.GlobalTensor):
+        rm = sbp.tensor(rm, x.placement, (B,) * x.placement.ndim)
+        rv = sbp.tensor(rv, x.placement, (B,) * x.placement.ndim)
+    out = F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.3)
+    return out, rm, rv
+
+
+def _bn_eval(x, w, b):
+    rm = torch.linspace(-1, 1, x.shape[1], dtype=x.dtype)
+    rv = torch.linspace(0.5, 2, x.shape[1], dtype=x.dtype)
+    if isinstance(x, sbp.GlobalTensor):
+        rm = sbp.tensor(rm, x.placement, (B,) * x.placement.ndim)
+        rv = sbp.tensor(rv, x.placement, (B,) * x.placement.ndim)
+    return F.batch_norm(x, rm, rv, w, b, training=False)
+
+
+def _inplace_add(x, y):
+    z = x * 1.0
+    z.add_(y)
+    z.mul_(2.0)
+    return z
+
+
+ROWS = {
+    "add_broadcast": Row([(5, 6), (6,)], torch.add, [(S0, B), (S1, S0), (P, B), (B, B), (S0, S0)]),
+    "sub": Row([(5, 6), (5, 6)], torch.sub, [(S0, S0), (P, P), (S1, S0), (P, B)]),
+    "mul": Row([(5, 6), (5, 1)], torch.mul, [(S0, S0), (P, B), (B, P), (S1, B), (P, P)]),
+    "div": Row([(7, 3), (3,)], lambda x, y: x / (y.abs() + 1), [(S0, B), (P, B), (S1, S0)]),
+    "scalar_ops": Row([(7, 3)], lambda x: (x * 3 - 1) / 2 + x**2, [(S0,), (S1,), (P,), (B,)]),
+    "inplace": Row([(5, 6), (6,)], _inplace_add, [(S0, B), (P, P), (S1, S0)]),
+    "relu_gelu": Row(
+        [(7, 5)], lambda x: F.relu(x) + F.gelu(x) + F.relu6(3 * x), [(S0,), (S1,), (P,)]
+    ),
+    "hardtanh_sigmoid_exp": Row(
+        [(7, 5)], lambda x: F.hardtanh(x) * torch.sigmoid(x) + torch.exp(x / 4), [(S0,), (P,)]
+    ),
+    "where_clamp": Row([(7, 5)], lambda x: torch.where(x > 0, x, -x).clamp(max=1.0), [(S1,), (P,)]),
+    "mm": Row(
+        [(5, 4), (4, 3)],
+        torch.mm,
+        [(S0, B), (B, S1), (S1, S0), (P, B), (S0, S0), (S1, S1)],
+        two_d=[((S0, S1), (S0, B)), ((S0, B), (B, S1))],
+    ),
+    "linear": Row(
+        [(7, 4), (3, 4), (3,)],
+        _linear,
+        [(S0, B, B), (B, S0, S0), (S1, S1, B), (P, B, B)],
+        two_d=[((S0, B), (B, S1), (B, B)), ((S0, S1), (B, B), (B, B))],
+    ),
+    "bmm": Row([(3, 4, 5), (3, 5, 2)], torch.bmm, [(S0, S0), (S1, B), (B, S2), (S2, S1), (P, B)]),
+    "matmul_batched": Row([(2, 5, 4), (4, 3)], torch.matmul, [(S0, B), (S1, B), (B, S1), (S2, S0)]),
+    "einsum": Row(
+        [(2, 3, 4), (2, 4, 5)], lambda a, b: torch.einsum("bij,bjk->bik", a, b), [(S0, S0), (S1, B)]
+    ),
+    "sum_dims": Row(
+        [(5, 6, 3)],
+        lambda x: (x.sum(0), x.sum(1), x.sum((0, 2), keepdim=True), x.sum()),
+        [(S0,), (S1,), (S2,), (P,)],
+    ),
+    "mean_dims": Row(
+        [(5, 6, 3)],
+        lambda x: (x.mean(0), x.mean(1, keepdim=True), x.mean()),
+        [(S0,), (S1,), (P,)],
+        two_d=[((S0, S1),), ((S0, S0),)],
+    ),
+    "amax_amin": Row([(5, 6)], lambda x: (x.amax(0), x.amin(1), x.amax()), [(S0,), (S1,), (P,)]),
+    "max_dim": Row([(5, 6)], lambda x: x.max(1).values + x.min(0).values.sum(), [(S0,), (S1,)]),
+    "var_std": Row([(6, 5)], lambda x: (x.var(0), x.std(1), x.var()), [(S0,), (S1,), (P,)]),
+    "norm": Row(
+        [(6, 5)],
+        lambda x: (
+            x.norm(),
+            torch.linalg.vector_norm(x, 3),
+            torch.linalg.vector_norm(x, float("inf"), dim=1),
+        ),
+        [(S0,), (S1,), (P,)],
+        two_d=[((S0, S1),)],
+    ),
+    "views": Row(
+        [(4, 6, 3)],
+        lambda x: (x.view(4, 18), x.reshape(24, 3), x.flatten(1), x.flatten()),
+        [(S0,), (S1,), (S2,), (P,)],
+    ),
+    "transpose_permute": Row(
+        [(5, 6, 3)],
+        lambda x: (x.t() if x.dim() == 2 else x.transpose(0, 2), x.permute(1, 2, 0)),
+        [(S0,), (S1,), (S2,), (P,)],
+    ),
+    "squeeze_expand": Row(
+        [(5, 1, 3)],
+        lambda x: (x.squeeze(1), x.unsqueeze(0), x.expand(5, 4, 3)),
+        [(S0,), (S2,), (P,)],
+    ),
+    "slice_select_index": Row(
+        [(7, 6)], lambda x: (x[:, 1:4], x[2:5], x[1], x[[0, 3, 3]]), [(S0,), (S1,), (P,)]
+    ),
+    "cat_stack": Row(
+        [(5, 3), (5, 3)],
+        lambda a, b: (torch.cat([a, b], 0), torch.cat([a, b], 1), torch.stack([a, b], 1)),
+        [(S0, S0), (S1, S1), (S0, B), (P, P)],
+    ),
+    "split_chunk": Row(
+        [(7, 6)], lambda x: (*x.split(2, dim=1), *x.chunk(3, dim=0)), [(S0,), (S1,)]
+    ),
+    "softmax": Row(
+        [(7, 5)],
+        lambda x: (F.softmax(x, 1), F.log_softmax(x, 1), F.softmax(x, 0)),
+        [(S0,), (S1,), (P,)],
+    ),
+    "cross_entropy": Row(
+        [(7, 5), ("int", (7,), 5)],
+        lambda x, t: F.cross_entropy(x, t),
+        [(S0, S0), (S0, B), (B, S0), (S1, S0), (P, S0)],
+        two_d=[((S0, S0), (S0, S0)), ((S0, B), (S0, B))],
+    ),
+    "cross_entropy_options": Row(
+        [(9, 4), ("int", (9,), 4)],
+        lambda x, t: (
+            F.cross_entropy(x, t, reduction="sum"),
+            F.cross_entropy(x, t, ignore_index=1),
+            F.cross_entropy(x, t, label_smoothing=0.1),
+        ),
+        [(S0, S0), (B, B)],
+    ),
+    "nll_none": Row(
+        [(7, 5), ("int", (7,), 5)],
+        lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, reduction="none"),
+        [(S0, S0), (B, S0)],
+    ),
+    "conv2d": Row(
+        [(5, 3, 6, 6), (4, 3, 3, 3), (4,)],
+        lambda x, w, b: F.conv2d(x, w, b, padding=1),
+        [(S0, B, B), (B, S0, S0), (P, B, B), (S1, B, B)],
+        two_d=[((S0, S0), (B, B), (B, B))],
+    ),
+    "conv2d_depthwise": Row(
+        [(5, 4, 6, 6), (4, 1, 3, 3)],
+        lambda x, w: F.conv2d(x, w, stride=2, groups=4),
+        [(S0, B), (B, B), (S1, B)],
+    ),
+    "batch_norm_train": Row(
+        [(7, 3, 4, 4), (3,), (3,)],
+        _bn_train,
+        [(S0, B, B), (B, B, B), (S2, B, B), (P, B, B), (S1, B, B)],
+        two_d=[((S0, S0), (B, B), (B, B)), ((S0, S2), (B, B), (B, B))],
+    ),
+    "batch_norm_eval": Row([(7, 3, 4, 4), (3,), (3,)], _bn_eval, [(S0, B, B), (B, B, B)]),
+    "pooling": Row(
+        [(5, 3, 6, 6)],
+        lambda x: (
+            F.adaptive_avg_pool2d(x, 1),
+            F.adaptive_avg_pool2d(x, 2),
+            F.max_pool2d(x, 2),
+            F.avg_pool2d(x, 3),
+        ),
+        [(S0,), (S1,), (B,), (S2,)],
+    ),
+    "layer_norm": Row(
+        [(5, 3, 4), (4,), (4,)],
+        lambda x, w, b: F.layer_norm(x, (4,), w, b),
+        [(S0, B, B), (S1, B, B), (S2, B, B)],
+    ),
+    "embedding": Row(
+        [(6, 4), ("int", (5, 3), 6)],
+        lambda w, i: F.embedding(i, w),
+        [(B, S0), (B, S1), (B, B), (S0, S0)],
+    ),
+}
+
+
+def _inputs(row: Row, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in row.shapes:
+        if isinstance(s, tuple) and s and s[0] == "int":
+            out.append(torch.randint(0, s[2], s[1], generator=g))
+        else:
+            out.append(torch.randn(s, generator=g, dtype=torch.float64))
+    return out
+
+
+def _flat(out):
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return [out]
+
+
+def _run_case(name: str, nd_sbps: list, ranks: list):
+    """On each rank: the global computation vs the single-process reference."""
+    row = ROWS[name]
+    P_ = sbp.placement("cpu", ranks)
+    logical = _inputs(row, 7)
+    ref_in = [t.clone().requires_grad_(row.grad and t.is_floating_point()) for t in logical]
+    glob = []
+    for t, nd in zip(logical, nd_sbps, strict=True):
+        g = sbp.tensor(t, P_, nd)
+        if row.grad and t.is_floating_point():
+            g.requires_grad_()
+        glob.append(g)
+    ref_out, out = _flat(row.fn(*ref_in)), _flat(row.fn(*glob))
+    inside = sbp.env.get_rank() in P_
+    errors = []
+    for i, (r, o) in enumerate(zip(ref_out, out, strict=True)):
+        if not isinstance(o, sbp.GlobalTensor):
+            errors.append(f"output {i} is not global: {type(o)}")
+            continue
+        if tuple(o.shape) != tuple(r.shape):
+            errors.append(f"output {i}: shape {tuple(o.shape)} != {tuple(r.shape)}")
+            continue
+        full = o.full_tensor()
+        if inside and not torch.allclose(full.double(), r.detach().double(), rtol=1e-9, atol=1e-10):
+            errors.append(
+                f"output {i} ({o.sbp}) differs by {(full.double() - r.detach().double()).abs().max()}"
+            )
+    if row.grad and not errors:
+        weights = _inputs(Row([tuple(r.shape) for r in ref_out], None, []), 11)
+        pairs = [
+            (r, o, w) for r, o, w in zip(ref_out, out, weights, strict=True) if r.requires_grad
+        ]
+        if pairs:
+            sum((r * w).sum() for r, _, w in pairs).backward()
+            sum((o * sbp.tensor(w, P_, (B,) * P_.ndim)).sum() for _, o, w in pairs).backward()
+            for i, (r, g) in enumerate(zip(ref_in, glob, strict=True)):
+                if r.grad is None:
+                    continue
+                if g.grad is None:
+                    errors.append(f"input {i}: no gradient")
+                    continue
+                if tuple(g.grad.sbp) != tuple(g.sbp) and not any(s.is_partial for s in g.sbp):
+                    errors.append(f"input {i}: grad sbp {g.grad.sbp} != leaf sbp {g.sbp}")
+                full = g.grad.full_tensor()
+                if inside and not torch.allclose(full, r.grad, rtol=1e-9, atol=1e-10):
+                    errors.append(f"input {i} grad differs by {(full - r.grad).abs().max()}")
+    return errors
+
+
+CASES = [
+    (name, nd, ranks)
+    for name, row in ROWS.items()
+    for ranks in ([0, 1], [3, 1, 0, 2])
+    for nd in [tuple((s,) for s in combo) for combo in row.sbps]
+] + [(name, nd, [[0, 1], [2, 3]]) for name, row in ROWS.items() for nd in row.two_d]
+
+
+def _id(case):
+    name, nd, ranks = case
+    sig = "-".join("".join(repr(s).replace("sbp.", "") for s in t) for t in nd)
+    return f"{name}[{sig}]{ranks}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_op_matches_single_process(pool4, case):
+    name, nd, ranks = case
+    results = pool4.run(_run_case, name, list(nd), ranks)
+    for rank, errors in enumerate(results):
+        assert not errors, f"rank {rank}: {errors}"
+
+
+def _dropout_stats(p: float):
+    P_ = sbp.placement("cpu", [0, 1, 2, 3])
+    sbp.manual_seed(5)
+    x = sbp.ones(4000, 8, placement=P_, sbp=S0)
+    y = F.dropout(x, p, training=True)
+    kept = (y.to_local() != 0).double().mean().item()
+    values = {round(v, 5) for v in y.to_local().unique().tolist()}
+    b = F.dropout(sbp.ones(64, 8, placement=P_, sbp=B), p, training=True)
+    return kept, values, b.to_local(), y.to_local()
+
+
+def test_dropout_masks_scaling_and_sharing(pool4):
+    p = 0.3
+    results = pool4.run(_dropout_stats, p)
+    for kept, values, _, _ in results:
+        assert abs(kept - (1 - p)) < 0.03
+        assert values <= {0.0, round(1 / (1 - p), 5)}
+    masks_b = [r[2] for r in results]
+    assert all(torch.equal(m, masks_b[0]) for m in masks_b)  # broadcast: one mask everywhere
+    shards = [r[3] for r in results]
+    assert not torch.equal(shards[0], shards[1])  # split: every shard draws its own
+
+
+def _mixing():
+    P_ = sbp.placement("cpu", [0, 1])
+    g = sbp.ones(4, 2, placement=P_, sbp=B)
+    h = sbp.ones(4, 2, placement=sbp.placement("cpu", [1, 0]), sbp=B)
+    out = []
+    for f in (lambda: g + torch.ones(4, 2), lambda: g + h):
+        try:
+            f()
+            out.append("no error")
+        except sbp.PlacementError as e:
+            out.append(str(e))
+    return out
+
+
+def test_mixing_local_or_placements_raises_naming_the_op(pool4):
+    for local_msg, placement_msg in pool4.run(_mixing):
+        assert "aten.add.Tensor" in local_msg and "local torch.Tensor" in local_msg
+        assert "aten.add.Tensor" in placement_msg and "different placements" in placement_msg
+
+
+def _factories():
+    P_ = sbp.placement("cpu", [[0, 1], [2, 3]])
+    sbp.manual_seed(3)
+    a = sbp.randn(5, 6, placement=P_, sbp=(S0, S1)).full_tensor()
+    b = sbp.rand(5, 6, placement=P_, sbp=(B, P)).full_tensor()
+    torch.manual_seed(3)
+    ra, rb = torch.randn(5, 6), torch.rand(5, 6)
+    c = sbp.arange(7, placement=P_, sbp=(S0, B)).full_tensor()
+    d = sbp.full((3, 2), 4.0, placement=P_, sbp=(P, S0)).full_tensor()
+    e = sbp.zeros(3, placement=P_, sbp=(B, B)) + sbp.ones(3, placement=P_, sbp=(S0, P))
+    return torch.equal(a, ra) and torch.equal(b, rb), c.tolist(), d.tolist(), e.tolist()
+
+
+def test_factories_give_the_single_process_value(pool4):
+    for same, c, d, e in pool4.run(_factories):
+        assert same
+        assert c == list(range(7)) and d == [[4.0, 4.0]] * 3 and e == [1.0, 1.0, 1.0]
+
+
+def _fallback():
+    import warnings
+
+    P_ = sbp.placement("cpu", [0, 1, 2])
+    x = sbp.tensor(torch.arange(12.0).reshape(4, 3), P_, S0)
+    with warnings.catch_warnings(record=True) as w, sbp.comm_stats() as st:
+        warnings.simplefilter("always")
+        y = torch.cumsum(x, 0)
+    return y.full_tensor().tolist(), [str(m.message) for m in w], dict(st.by_kind)
+
+
+def test_op_without_rule_falls_back_to_broadcast_and_warns(pool4):
+    ref = torch.cumsum(torch.arange(12.0).reshape(4, 3), 0).tolist()
+    for rank, (got, warned, kinds) in enumerate(pool4.run(_fallback)):
+        assert got == (ref if rank < 3 else [])  # rank 3 is outside the placement
+        if rank < 3:
+            assert any("no SBP rule for aten.cumsum" in m for m in warned) or kinds
+            assert any(k.startswith("fallback:aten.cumsum") for k in kinds)
