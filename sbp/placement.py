@@ -76,6 +76,7 @@ class placement:  # noqa: N801 - lowercase like OneFlow's and like `torch.device
         self._type = type
         self._flat = tuple(flat)
         self._hierarchy = hierarchy
+        self._hash = hash((type, self._flat, hierarchy))
 
     @classmethod
     def all(cls, type: str) -> placement:  # noqa: A002, A003
@@ -157,16 +158,18 @@ class placement:  # noqa: N801 - lowercase like OneFlow's and like `torch.device
             )
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         if not isinstance(other, placement):
             return NotImplemented
-        return (self._type, self._flat, self._hierarchy) == (
+        return self._hash == other._hash and (self._type, self._flat, self._hierarchy) == (
             other._type,
             other._flat,
             other._hierarchy,
         )
 
     def __hash__(self) -> int:
-        return hash((self._type, self._flat, self._hierarchy))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"placement(type={self._type!r}, ranks={self.ranks})"

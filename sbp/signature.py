@@ -27,7 +27,7 @@ class SBP:
 class Split(SBP):
     """Local tensor is a balanced slice of the logical tensor along `dim`."""
 
-    __slots__ = ("dim",)
+    __slots__ = ("dim", "_hash")
     is_split = True
 
     def __init__(self, dim: int) -> None:
@@ -37,12 +37,13 @@ class Split(SBP):
             self.dim = operator.index(dim)
         except TypeError:
             raise SbpSignatureError(f"split dim must be an int, got {dim!r}") from None
+        self._hash = hash(("S", self.dim))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Split) and other.dim == self.dim
 
     def __hash__(self) -> int:
-        return hash(("S", self.dim))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"sbp.split(dim={self.dim})"

@@ -9,13 +9,12 @@ with the transposed conversion.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from sbp import boxing, comm, env
+from sbp import boxing, comm, env, gradients
 from sbp.boxing.executor import empty_local
 from sbp.errors import DeviceMismatchError, MetaMismatchError, PlacementError
 from sbp.layout import GlobalSpec, check_shape, logical_size_along
@@ -88,11 +87,11 @@ class GlobalTensor(torch.Tensor):
         return _Box.apply(self, dst, grad)
 
     def requires_grad_(self, requires_grad: bool = True):
-        """Turning on gradients of a leaf also makes its `.grad` arrive in the leaf's sbp."""
+        """Turning on gradients of a leaf also makes its `.grad` end in the leaf's sbp."""
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf and not getattr(self, "_sbp_grad_hook", False):
             self._sbp_grad_hook = True
-            self.register_hook(_leaf_grad_hook(weakref.ref(self)))
+            self.register_post_accumulate_grad_hook(gradients.post_accumulate_hook)
         return self
 
     def full_tensor(self) -> torch.Tensor:
@@ -112,20 +111,6 @@ class GlobalTensor(torch.Tensor):
         if self.dim() == 0:
             return format(self.item(), spec)
         return format(str(self), spec)
-
-
-def _leaf_grad_hook(leaf_ref):
-    """Box a leaf's incoming gradient to the leaf's current spec: a broadcast parameter trained
-    on split batches receives partial sums, which this all-reduces (data parallelism)."""
-
-    def hook(grad):
-        leaf = leaf_ref()
-        if leaf is None or not isinstance(grad, GlobalTensor) or grad._spec == leaf._spec:
-            return grad
-        target = leaf._spec._replace(dtype=grad.dtype)
-        return GlobalTensor(box(grad._local, grad._spec, target), target)
-
-    return hook
 
 
 def _grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-exec .venv/bin/python -m sbp.distributed.launch --nproc_per_node 2 examples/hello_global.py "$@"
+exec .venv/bin/python -m sbp.distributed.launch --nproc_per_node 2 examples/train_mobilenet.py "$@"

@@ -49,6 +49,8 @@ def _group_step(step: Step, x: torch.Tensor, rank: int, owned: bool) -> tuple[to
     a, b = before.nd_sbp[h], after.nd_sbp[h]
     group = before.placement.group_ranks(rank, h)
     n, me = len(group), group.index(rank)
+    if n == 1:  # one rank on this dim: every sbp is the same local tensor
+        return x, owned
     if a.is_split and b.is_broadcast:
         return _all_gather(
             x, a.dim, [before.local_shape(r) for r in group], after, rank, group

@@ -207,9 +207,24 @@ def native_batch_norm(func, args, kwargs):
     dims = _stat_dims(xl)
     n = math.prod(x.shape[d] for d in dims)
     acc = torch.float64 if xl.dtype == torch.float64 else torch.float32
-    mean = _all_reduced(xl.sum(dims, dtype=acc), placement, nd) / n
-    centered = xl - mean.to(xl.dtype).view(_channel_shape(xl))
-    var = _all_reduced((centered * centered).sum(dims, dtype=acc), placement, nd) / n
+    # One all-reduce of shifted sums. The shift (the running mean, equal on every rank)
+    # keeps E[(x-K)^2] - E[x-K]^2 free of cancellation; without running stats, two passes.
+    if running_mean is not None:
+        shift = running_mean._local.to(xl.dtype).view(_channel_shape(xl))
+        shifted = xl - shift
+        sums = _all_reduced(
+            torch.stack([shifted.sum(dims, dtype=acc), (shifted * shifted).sum(dims, dtype=acc)]),
+            placement,
+            nd,
+        )
+        mean_shifted = sums[0] / n
+        mean = mean_shifted + running_mean._local.to(acc)
+        var = (sums[1] / n - mean_shifted * mean_shifted).clamp_min(0)
+        centered = xl - mean.to(xl.dtype).view(_channel_shape(xl))
+    else:
+        mean = _all_reduced(xl.sum(dims, dtype=acc), placement, nd) / n
+        centered = xl - mean.to(xl.dtype).view(_channel_shape(xl))
+        var = _all_reduced((centered * centered).sum(dims, dtype=acc), placement, nd) / n
     invstd = torch.rsqrt(var + eps)
     out = centered * invstd.to(xl.dtype).view(_channel_shape(xl))
     if params[0] is not None:

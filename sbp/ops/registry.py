@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from sbp import env
 from sbp.boxing import plan_specs
@@ -101,14 +101,62 @@ def register_strategy(*ops: Any, local_args: Callable | None = None, post: Calla
     return deco
 
 
+def flatten(args: tuple, kwargs: dict) -> tuple[list, tuple]:
+    """Leaves of an aten call's arguments (lists nest one level at most) and how to rebuild them.
+
+    torch's pytree costs tens of microseconds per call; this is the hot path of every op.
+    """
+    leaves: list = []
+    shape = []
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            shape.append((type(a), len(a)))
+            leaves.extend(a)
+        else:
+            shape.append(None)
+            leaves.append(a)
+    if kwargs:
+        leaves.extend(kwargs.values())
+    return leaves, (tuple(shape), tuple(kwargs))
+
+
+def unflatten(leaves: list, spec: tuple) -> tuple[tuple, dict]:
+    shape, keys = spec
+    args, i = [], 0
+    for entry in shape:
+        if entry is None:
+            args.append(leaves[i])
+            i += 1
+        else:
+            kind, n = entry
+            args.append(kind(leaves[i : i + n]))
+            i += n
+    return tuple(args), dict(zip(keys, leaves[i:], strict=True))
+
+
+def flatten_outputs(out: Any) -> tuple[list, Any]:
+    if type(out) is list or type(out) is tuple:
+        return list(out), (type(out), len(out))
+    return [out], None
+
+
+def unflatten_outputs(leaves: list, spec: Any) -> Any:
+    return leaves[0] if spec is None else spec[0](leaves)
+
+
 def _rule_for(func):
     return _rules.get(func) or _rules.get(func.overloadpacket)
 
 
-def _global_type():
-    from sbp.tensor import GlobalTensor
+_GT: list = []
 
-    return GlobalTensor
+
+def _global_type():
+    if not _GT:
+        from sbp.tensor import GlobalTensor
+
+        _GT.append(GlobalTensor)
+    return _GT[0]
 
 
 # Ops whose local integer tensors are constants (indices), not data to be placed.
@@ -118,26 +166,27 @@ LOCAL_INDEX_OPS: set = set()
 def check_placements(func, flat: list) -> None:
     """Mixing global and local tensors, or placements, is an error naming the op."""
     GT = _global_type()
-    name = str(func)
-    placements = set()
+    placement = None
     for a in flat:
         if isinstance(a, GT):
-            placements.add(a._spec.placement)
+            p = a._spec.placement
+            if placement is None:
+                placement = p
+            elif p is not placement and p != placement:
+                raise PlacementError(
+                    f"{func}: inputs are on different placements: {placement!r} and {p!r}"
+                )
         elif isinstance(a, torch.Tensor) and (a.dim() > 0 or a.requires_grad):
             if func in LOCAL_INDEX_OPS and not a.is_floating_point() and not a.requires_grad:
                 continue
             raise PlacementError(
-                f"{name}: mixes global tensors with a local torch.Tensor of shape "
+                f"{func}: mixes global tensors with a local torch.Tensor of shape "
                 f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
             )
-    if len(placements) > 1:
-        raise PlacementError(
-            f"{name}: inputs are on different placements: {sorted(map(repr, placements))}"
-        )
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    flat, _ = tree_flatten((args, kwargs))
+    flat, _ = flatten(args, kwargs)
     check_placements(func, flat)
     rule = _rule_for(func)
     if rule is not None:
@@ -175,7 +224,7 @@ def _meta(a):
 
 def _outputs_on_meta(func, args, kwargs):
     out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
-    leaves, tree = tree_flatten(out)
+    leaves, tree = flatten_outputs(out)
     metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
     return metas, tree
 
@@ -185,6 +234,8 @@ class Decision:
     in_specs: tuple[GlobalSpec, ...]
     out_specs: tuple[GlobalSpec | None, ...]
     out_tree: Any
+    inside: bool  # this rank holds data of the placement
+    empty_here: list | None  # this rank's outputs when all are empty (some kernels reject those)
 
 
 def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
@@ -197,7 +248,8 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         req = tuple(
             s._replace(nd_sbp=tuple(c.inputs[j] for c in combo)) for j, s in enumerate(specs)
         )
-        cost = sum(plan_specs(s, r).cost for s, r in zip(specs, req, strict=True) if s != r)
+        plans = [plan_specs(s, r) for s, r in zip(specs, req, strict=True) if s != r]
+        cost = (sum(p.cost for p in plans), sum(len(p.steps) for p in plans))
         if best_cost is None or cost < best_cost:
             best, best_cost = (combo, req), cost
     if best is None:
@@ -211,7 +263,8 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         nd = tuple(c.outputs[k] for c in combo)
         outs.append(GlobalSpec(P, nd, m[0], m[1]))
         k += 1
-    return Decision(req, tuple(outs), tree)
+    me = env.get_rank()
+    return Decision(req, tuple(outs), tree, me in P, _empty_outputs(outs, me) if me in P else None)
 
 
 def decision_for(rule: StrategyRule, func, args, kwargs, flat, specs) -> Decision:
@@ -244,25 +297,29 @@ def run_strategy(rule: StrategyRule, func, args, kwargs) -> Any:
     from sbp.boxing.executor import empty_local
     from sbp.tensor import GlobalTensor, box
 
-    flat, tree = tree_flatten((args, kwargs))
+    flat, tree = flatten(args, kwargs)
     gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     specs = [flat[i]._spec for i in gpos]
     d = decision_for(rule, func, args, kwargs, flat, specs)
     me = env.get_rank()
-    inside = me in specs[0].placement
+    inside = d.inside
     local_flat = list(flat)
     for i, req in zip(gpos, d.in_specs, strict=True):
         g = flat[i]
         local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
     inplace = is_inplace(func)
     if inside:
-        leaves = _empty_outputs(d, me) if not inplace else None
+        leaves = (
+            None
+            if inplace or d.empty_here is None
+            else [None if t is None else t.clone() for t in d.empty_here]
+        )
         if leaves is None:
-            largs, lkwargs = tree_unflatten(local_flat, tree)
+            largs, lkwargs = unflatten(local_flat, tree)
             if rule.local_args is not None:
                 largs, lkwargs = rule.local_args(func, largs, lkwargs, me, d.in_specs, d.out_specs)
             out = func(*largs, **lkwargs)
-            leaves, _ = tree_flatten(out)
+            leaves, _ = flatten_outputs(out)
             if rule.post is not None:
                 leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
     else:
@@ -277,7 +334,7 @@ def run_strategy(rule: StrategyRule, func, args, kwargs) -> Any:
         GlobalTensor(t, s) if s is not None and isinstance(t, torch.Tensor) else t
         for t, s in zip(leaves, d.out_specs, strict=True)
     ]
-    return tree_unflatten(wrapped, d.out_tree)
+    return unflatten_outputs(wrapped, d.out_tree)
 
 
 def rebox(g, nd_sbp) -> Any:
@@ -295,18 +352,18 @@ def without_partials(g) -> Any:
     return rebox(g, tuple(broadcast if s.is_partial else s for s in g._spec.nd_sbp))
 
 
-def _empty_outputs(d: Decision, rank: int) -> list | None:
+def _empty_outputs(out_specs: list, rank: int) -> list | None:
     """Uneven splits leave some ranks empty shards, which some kernels reject; when every
     output of this rank is empty, there is nothing to compute."""
     from sbp.boxing.executor import local_device
 
-    shapes = [None if s is None else s.local_shape(rank) for s in d.out_specs]
+    shapes = [None if s is None else s.local_shape(rank) for s in out_specs]
     if any(sh is not None and 0 not in sh for sh in shapes) or all(sh is None for sh in shapes):
         return None
-    device = local_device(d.out_specs[0].placement.type) if d.out_specs[0] else None
+    device = local_device(out_specs[0].placement.type) if out_specs[0] else None
     return [
         None if s is None else torch.empty(sh, dtype=s.dtype, device=device)
-        for s, sh in zip(d.out_specs, shapes, strict=True)
+        for s, sh in zip(out_specs, shapes, strict=True)
     ]
 
 
