@@ -39,6 +39,12 @@ def _install_methods() -> None:
     if not hasattr(torch.nn.Module, "to_global"):
         torch.nn.Module.to_global = module_to_global
 
+    # Let clip_grad_norm_ and foreach optimizers batch global tensors like DTensor does.
+    from torch.utils import _foreach_utils
+
+    if GlobalTensor not in _foreach_utils._foreach_supported_types:
+        _foreach_utils._foreach_supported_types.append(GlobalTensor)
+
 
 _install_methods()
 

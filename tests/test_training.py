@@ -122,14 +122,26 @@ def _mlp_model():
     return MLP().double()
 
 
-def _train_mlp_2d():
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5),
+    "sgd-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, foreach=True),
+    "sgd-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, fused=True),
+    "adam-foreach": lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, foreach=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True),
+}
+
+
+def _train_mlp_2d(opt_name):
     me = sbp.env.get_rank()
     P = sbp.placement("cpu", [[0, 1], [2, 3]])
     model = _mlp_model()
     for layer in (model.fc1, model.fc2):
         layer.weight = torch.nn.Parameter(layer.weight.to_global(P, (B, B)).to_global(sbp=(B, S1)))
     model.to_global(P, (B, B))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    opt = OPTIMIZERS[opt_name](model.parameters())
     losses = []
     for x, y in _mlp_batches():
         x_local = x[sbp.local_slices(x.shape, P, (S0, B), P.coord(me))]
@@ -139,6 +151,7 @@ def _train_mlp_2d():
         )
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         losses.append(loss.item())
     sbps = [tuple(p.sbp) for p in model.parameters()]
@@ -146,17 +159,20 @@ def _train_mlp_2d():
     return losses, [p.full_tensor() for p in model.parameters()], sbps, grads
 
 
-def test_2d_placement_mlp_with_split_weights_equals_one_process(pool4):
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_2d_placement_mlp_with_split_weights_equals_one_process(pool4, opt_name):
+    """Single-tensor, foreach and fused optimizer paths, with clip_grad_norm_, on split weights."""
     model = _mlp_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    opt = OPTIMIZERS[opt_name](model.parameters())
     ref_losses = []
     for x, y in _mlp_batches():
         loss = F.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         ref_losses.append(loss.item())
-    for losses, params, sbps, grads in pool4.run(_train_mlp_2d):
+    for losses, params, sbps, grads in pool4.run(_train_mlp_2d, opt_name):
         assert sbps == [(B, S1), (B, B), (B, S1), (B, B)]
         assert grads == sbps  # each leaf's gradient arrives in the leaf's sbp
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-9

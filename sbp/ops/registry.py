@@ -191,6 +191,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     rule = _rule_for(func)
     if rule is not None:
         return rule(func, args, kwargs)
+    from sbp.ops.optim import is_list_op, list_rule
+
+    if is_list_op(func):
+        _rules[func] = list_rule
+        return list_rule(func, args, kwargs)
     return fallback(func, args, kwargs)
 
 

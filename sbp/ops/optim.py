@@ -1,0 +1,81 @@
+"""List ops (`_foreach_*`, `_fused_adam_`, ...) used by torch.optim and clip_grad_norm_.
+
+They act elementwise on lists of tensors, so index i of every tensor list is
+aligned to the layout of the first list's i-th tensor (partial sums reduced),
+tensors the op writes take that layout in place, and the one fused or foreach
+kernel runs on the local lists. Norms go through the norm rule per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sbp import env
+from sbp.boxing.executor import empty_local
+from sbp.ops.registry import rebox, register
+from sbp.signature import broadcast
+
+aten = torch.ops.aten
+
+
+def is_list_op(func) -> bool:
+    """Ops whose first argument is a list of tensors."""
+    args = func._schema.arguments
+    return bool(args) and str(args[0].type).startswith("List[Tensor")
+
+
+def _written(func) -> set[int]:
+    return {
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    }
+
+
+def list_rule(func, args, kwargs):
+    from sbp.tensor import GlobalTensor
+
+    lists = [
+        i
+        for i, a in enumerate(args)
+        if isinstance(a, (list, tuple)) and any(isinstance(t, GlobalTensor) for t in a)
+    ]
+    written = _written(func)
+    first = args[lists[0]]
+    targets = [tuple(broadcast if s.is_partial else s for s in t._spec.nd_sbp) for t in first]
+    placement = first[0]._spec.placement
+    local_args = list(args)
+    for li in lists:
+        locals_ = []
+        for i, t in enumerate(args[li]):
+            if not isinstance(t, GlobalTensor):
+                locals_.append(t)
+                continue
+            aligned = rebox(t, targets[i])
+            if li in written and aligned is not t:
+                t._local, t._spec = aligned._local, aligned._spec
+            locals_.append(aligned._local)
+        local_args[li] = locals_
+    for i, a in enumerate(args):
+        if isinstance(a, GlobalTensor):
+            local_args[i] = rebox(a, (broadcast,) * placement.ndim)._local
+    local_kwargs = {
+        k: rebox(v, (broadcast,) * placement.ndim)._local if isinstance(v, GlobalTensor) else v
+        for k, v in kwargs.items()
+    }
+    inside = env.get_rank() in placement
+    if inside:
+        out = func(*local_args, **local_kwargs)
+    if not func._schema.returns or len(func._schema.returns) == 0:
+        return None
+    specs = [t._spec._replace(nd_sbp=nd) for t, nd in zip(first, targets, strict=True)]
+    if not inside:
+        return [GlobalTensor(empty_local(s), s) for s in specs]
+    return [GlobalTensor(o, s._replace(dtype=o.dtype)) for o, s in zip(out, specs, strict=True)]
+
+
+@register(aten._foreach_norm.Scalar)
+def foreach_norm(func, args, kwargs):
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    return [torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in args[0]]
