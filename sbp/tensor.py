@@ -99,7 +99,12 @@ class GlobalTensor(torch.Tensor):
         return self.to_global(sbp=(broadcast,) * self.placement.ndim).to_local()
 
     def item(self):
-        return self.full_tensor().item()
+        value = self.full_tensor()
+        if env.get_rank() not in self.placement:
+            raise PlacementError(
+                f".item(): rank {env.get_rank()} is outside {self.placement} and holds no value"
+            )
+        return value.item()
 
     def tolist(self):
         return self.full_tensor().tolist()

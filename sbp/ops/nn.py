@@ -407,5 +407,11 @@ def native_dropout_backward(call: Call) -> list[Strategy]:
 @register(aten._local_scalar_dense.default)
 def item(func, args, kwargs):
     """`.item()`: the logical value (communicates; every rank of the placement calls it)."""
+    from sbp.errors import PlacementError
+
     x = rebox(args[0], (B,) * args[0].placement.ndim)
+    if env.get_rank() not in x.placement:
+        raise PlacementError(
+            f".item(): rank {env.get_rank()} is outside {x.placement} and holds no value"
+        )
     return x._local.item()

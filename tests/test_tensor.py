@@ -1,0 +1,110 @@
+"""The GlobalTensor surface users touch: metadata, logical values, repr, containers, modules."""
+
+import numpy as np
+import torch
+
+import sbp
+
+S0, S1, B, P = sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum
+
+
+def test_import_adds_methods_and_plain_tensors_are_not_global():
+    assert hasattr(torch.Tensor, "to_global") and hasattr(torch.nn.Module, "to_global")
+    assert torch.zeros(1).is_global is False
+
+
+def _raises_placement_error(fn):
+    try:
+        fn()
+    except sbp.PlacementError as e:
+        return str(e)
+    return "no error"
+
+
+def _surface():
+    me = sbp.env.get_rank()
+    Pl = sbp.placement("cpu", [0, 1, 2])
+    value = torch.arange(10.0).reshape(5, 2)
+    g = sbp.tensor(value, Pl, S0)
+    with sbp.comm_stats() as st:
+        text = repr(g)
+        str(g)
+    out = {
+        "meta": (tuple(g.shape), g.dtype, g.placement, g.sbp, g.is_global, g.device.type),
+        "repr_calls": st.calls,
+        "repr": text,
+        "tolist": g.tolist(),
+        "numpy": g.numpy(),
+        "item": g.sum().item() if me in Pl else _raises_placement_error(g.sum().item),
+        "format": format(g.sum(), ".2f") if me in Pl else None,
+        "local": g.to_local().tolist(),
+        "nested": None,
+    }
+    batch = {"x": torch.ones(2, 3) * me, "pair": (torch.zeros(1), [torch.ones(4)]), "n": 3}
+    nested = sbp.to_global(batch, Pl, B)
+    out["nested"] = (
+        type(nested["pair"]).__name__,
+        type(nested["pair"][1]).__name__,
+        nested["n"],
+        nested["x"].is_global,
+        nested["pair"][1][0].sbp,
+        nested["x"].to_local().tolist(),  # broadcast synced from the placement's first rank
+    )
+    return out
+
+
+def test_global_tensor_surface(pool4):
+    value = torch.arange(10.0).reshape(5, 2)
+    for rank, r in enumerate(pool4.run(_surface)):
+        shape, dtype, placement, sbp_, is_global, device = r["meta"]
+        assert shape == (5, 2) and dtype == torch.float32 and is_global and device == "cpu"
+        assert placement == sbp.placement("cpu", [0, 1, 2]) and sbp_ == (S0,)
+        assert r["repr_calls"] == 0  # repr never communicates
+        assert "sbp=(S(0))" in r["repr"] and "placement=" in r["repr"]
+        assert r["nested"][:5] == ("tuple", "list", 3, True, (B,))
+        if rank == 3:  # outside the placement: metadata only
+            assert "rank 3 is outside" in r["item"] and r["tolist"] == []
+            continue
+        assert r["tolist"] == value.tolist()
+        assert np.array_equal(r["numpy"], value.numpy())
+        assert r["item"] == 45.0 and r["format"] == "45.00"
+        assert r["local"] == value[sbp.local_slices((5, 2), placement, S0, rank)].tolist()
+        assert r["nested"][5] == [[0.0] * 3] * 2
+
+
+def _to_local_autograd():
+    Pl = sbp.placement("cpu", [0, 1])
+    w = sbp.tensor(torch.arange(6.0).reshape(3, 2), Pl, S1, requires_grad=True)
+    (w.to_local() * 3).sum().backward()
+    return w.grad.sbp, w.grad.full_tensor().tolist()
+
+
+def test_to_local_is_differentiable_and_grad_has_leaf_sbp(pool4):
+    for rank, (grad_sbp, grad) in enumerate(pool4.run(_to_local_autograd)):
+        assert grad_sbp == (S1,)
+        if rank < 2:
+            assert grad == [[3.0, 3.0]] * 3
+
+
+def _module_to_global():
+    Pl = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(sbp.env.get_rank())  # ranks initialise differently on purpose
+    lin = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU(), lin, torch.nn.BatchNorm1d(3))
+    out = model.to_global(Pl, B)
+    params = list(model.parameters())
+    return (
+        out is model,
+        len(params),
+        model[0].weight is model[2].weight,
+        all(isinstance(p, torch.nn.Parameter) and p.is_global for p in params),
+        model[3].running_mean.is_global,
+        model[0].weight.to_local(),
+    )
+
+
+def test_module_to_global_syncs_shares_and_converts_buffers(pool4):
+    results = pool4.run(_module_to_global)
+    for same, n, shared, params_global, buffers_global, _ in results:
+        assert same and n == 4 and shared and params_global and buffers_global
+    assert torch.equal(results[0][5], results[1][5])  # rank 1 took rank 0's initialisation
