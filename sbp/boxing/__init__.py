@@ -6,10 +6,20 @@ from typing import Any
 
 from sbp.boxing.executor import execute
 from sbp.boxing.planner import Plan, Step, Transfer, plan_specs
+from sbp.kernels import empty_cache
 from sbp.layout import GlobalSpec
 from sbp.signature import normalize_nd_sbp
 
-__all__ = ["Plan", "Step", "Transfer", "execute", "plan", "plan_specs", "target_spec"]
+__all__ = [
+    "empty_cache",
+    "Plan",
+    "Step",
+    "Transfer",
+    "execute",
+    "plan",
+    "plan_specs",
+    "target_spec",
+]
 
 
 def target_spec(src: GlobalSpec, placement: Any = None, sbp: Any = None) -> GlobalSpec:

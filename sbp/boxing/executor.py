@@ -94,7 +94,7 @@ def _all_gather(x, dim, shapes, after, rank, group) -> torch.Tensor:
         comm.all_gather(out.view(-1), x.contiguous().view(-1), group)
         return out
     packed = kernels.pack_chunks(x, dim, [x.shape[dim]], pad_to=pad)
-    buf = torch.empty(len(group) * packed.numel(), dtype=x.dtype, device=x.device)
+    buf = kernels.staging(len(group) * packed.numel(), x.dtype, x.device, "recv")
     comm.all_gather(buf, packed, group)
     return kernels.unpack_chunks(buf, shapes, dim, out, stride=packed.numel())
 
@@ -109,7 +109,10 @@ def _split_to_split(x, src_dim, dst_dim, shapes, after, rank, group, me) -> torc
     out = torch.empty(after.local_shape(rank), dtype=x.dtype, device=x.device)
     if sum(_numel(s) for s in shapes) == 0:
         return out
-    recv = torch.empty(sum(recv_splits), dtype=x.dtype, device=x.device)
+    if all(s == 1 for s in out.shape[:src_dim]):  # chunks arrive already in out's layout
+        comm.all_to_all(out.view(-1), send, recv_splits, send_splits, group)
+        return out
+    recv = kernels.staging(sum(recv_splits), x.dtype, x.device, "recv")
     comm.all_to_all(recv, send, recv_splits, send_splits, group)
     return kernels.unpack_chunks(recv, recv_shapes, src_dim, out)
 
@@ -125,7 +128,7 @@ def _partial_to_split(x, op, dim, group, me) -> torch.Tensor:
     send = kernels.pack_chunks(x, dim, parts)
     send_splits = [p * _rest(x.shape, dim) for p in parts]
     chunk = _numel(mine)
-    recv = torch.empty(n * chunk, dtype=x.dtype, device=x.device)
+    recv = kernels.staging(n * chunk, x.dtype, x.device, "recv")
     comm.all_to_all(recv, send, [chunk] * n, send_splits, group)
     return kernels.reduce_chunks(
         [recv[i * chunk : (i + 1) * chunk].view(mine) for i in range(n)], op
