@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 import sbp
 from sbp.testing.strategies import nd_sbps, placements, shapes
 
+S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
+
 # ---------------------------------------------------------------- reference, run on each rank
 
 
@@ -326,3 +328,41 @@ def test_bad_input_raises_its_error_on_every_rank(pool4, kind, error, words):
     for name, msg in pool4.run(_bad_input, kind, timeout=60):
         assert name == error, msg
         assert words in msg
+
+
+def test_disjoint_moves_spread_over_rank_pairs():
+    """B on [0, 1] -> B on [2, 3]: each source sends one copy; no rank funnels the data."""
+    from sbp.boxing.planner import plan_specs
+
+    src = sbp.layout.GlobalSpec(sbp.placement("cpu", [0, 1]), (B,), (64, 8), torch.float32)
+    dst = src._replace(placement=sbp.placement("cpu", [2, 3]))
+    plan = plan_specs(src, dst)
+    assert plan.collectives == ["send/recv"]
+    full = 64 * 8 * 4
+    assert [plan.bytes_sent(r) for r in range(4)] == [full, full, 0, 0]
+    assert [plan.bytes_received(r) for r in range(4)] == [0, 0, full, full]
+    # S(0) on [0, 1, 2, 3] -> S(1) on [3, 2]: every source sends only what each target lacks
+    src = sbp.layout.GlobalSpec(sbp.placement("cpu", [0, 1, 2, 3]), (S0,), (8, 8), torch.float32)
+    plan = plan_specs(src, src._replace(placement=sbp.placement("cpu", [3, 2]), nd_sbp=(S1,)))
+    assert max(plan.bytes_sent(r) for r in range(4)) == 2 * (2 * 4 * 4)  # a (2, 4) piece per target
+
+
+def _partner_never_comes():
+    if sbp.env.get_rank() == 0:
+        try:
+            sbp.to_global(torch.ones(2), sbp.placement("cpu", [0, 1]), sbp.split(0))
+        except sbp.CommTimeoutError as e:
+            return "timeout: " + str(e)[:60]
+        return "no error"
+    return "stayed away"
+
+
+def test_to_global_with_a_missing_partner_times_out_cleanly():
+    from sbp.testing import SpmdPool
+
+    pool = SpmdPool(2, timeout=60, comm_timeout=2.0)
+    try:
+        first, second = pool.run(_partner_never_comes)
+        assert first.startswith("timeout: all_gather over ranks [0, 1]") and second == "stayed away"
+    finally:
+        pool.close()
