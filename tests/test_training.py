@@ -64,18 +64,23 @@ def _train_global(world, opt_name):
     return losses, params, buffers, grad_sbps
 
 
-def _train_reference(opt_name):
-    model = _mobilenet()
-    opt = _optimizer(opt_name, model.parameters())
+def train_one_process(model, opt, batches, loss_fn, max_norm):
+    """The single-process reference: the same steps on the logical (whole) batches."""
     losses = []
-    for x, y in _batches():
-        loss = F.cross_entropy(model(x), y)
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         losses.append(loss.item())
     return losses, [p.detach() for p in model.parameters()], list(model.buffers())
+
+
+def _train_reference(opt_name):
+    model = _mobilenet()
+    opt = _optimizer(opt_name, model.parameters())
+    return train_one_process(model, opt, _batches(), F.cross_entropy, 5.0)
 
 
 def _relative(a, b):
@@ -164,16 +169,9 @@ def test_2d_placement_mlp_with_split_weights_equals_one_process(pool4, opt_name)
     """Single-tensor, foreach and fused optimizer paths, with clip_grad_norm_, on split weights."""
     model = _mlp_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
-    ref_losses = []
-    for x, y in _mlp_batches():
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, ref_params, _ = train_one_process(model, opt, _mlp_batches(), F.mse_loss, 0.5)
     for losses, params, sbps, grads in pool4.run(_train_mlp_2d, opt_name):
         assert sbps == [(B, S1), (B, B), (B, S1), (B, B)]
         assert grads == sbps  # each leaf's gradient arrives in the leaf's sbp
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-9
-        assert _relative(params, [p.detach() for p in model.parameters()]) < 1e-9
+        assert _relative(params, ref_params) < 1e-9
