@@ -90,12 +90,8 @@ def register_strategy(*ops: Any, local_args: Callable | None = None, post: Calla
 
     def deco(candidates):
         rule = StrategyRule(candidates, local_args, post)
-
-        def run(func, args, kwargs):
-            return run_strategy(rule, func, args, kwargs)
-
         for op in ops:
-            _rules[op] = run
+            _rules[op] = rule
         return candidates
 
     return deco
@@ -144,10 +140,6 @@ def unflatten_outputs(leaves: list, spec: Any) -> Any:
     return leaves[0] if spec is None else spec[0](leaves)
 
 
-def _rule_for(func):
-    return _rules.get(func) or _rules.get(func.overloadpacket)
-
-
 _GT: list = []
 
 
@@ -163,59 +155,70 @@ def _global_type():
 LOCAL_INDEX_OPS: set = set()
 
 
-def check_placements(func, flat: list) -> None:
-    """Mixing global and local tensors, or placements, is an error naming the op."""
+def scan(func, flat: list) -> tuple[tuple, list[int]]:
+    """One pass over the arguments: check placements, find the global tensors, and build the
+    decision-cache key (everything but floats and tensor values, so per-step scalars such as
+    a learning rate never miss the cache). Mixing global and local tensors, or placements, is
+    an error naming the op."""
     GT = _global_type()
     placement = None
-    for a in flat:
+    key: list = [func]
+    gpos: list[int] = []
+    for i, a in enumerate(flat):
         if isinstance(a, GT):
-            p = a._spec.placement
+            spec = a._spec
             if placement is None:
-                placement = p
-            elif p is not placement and p != placement:
+                placement = spec.placement
+            elif spec.placement is not placement and spec.placement != placement:
                 raise PlacementError(
-                    f"{func}: inputs are on different placements: {placement!r} and {p!r}"
+                    f"{func}: inputs are on different placements: {placement!r} and "
+                    f"{spec.placement!r}"
                 )
-        elif isinstance(a, torch.Tensor) and (a.dim() > 0 or a.requires_grad):
-            if func in LOCAL_INDEX_OPS and not a.is_floating_point() and not a.requires_grad:
-                continue
-            raise PlacementError(
-                f"{func}: mixes global tensors with a local torch.Tensor of shape "
-                f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
-            )
+            gpos.append(i)
+            key.append(spec)
+        elif isinstance(a, torch.Tensor):
+            if a.dim() > 0 or a.requires_grad:
+                if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()):
+                    raise PlacementError(
+                        f"{func}: mixes global tensors with a local torch.Tensor of shape "
+                        f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
+                    )
+            key.append(("t", tuple(a.shape), a.dtype))
+        elif type(a) is float:
+            key.append(float)
+        else:
+            key.append(a)
+    return tuple(key), gpos
+
+
+_resolved: dict = {}
+
+
+def _resolve(func):
+    """The rule of `func` (a StrategyRule or a function), looked up once per op."""
+    rule = _resolved.get(func)
+    if rule is None:
+        rule = _rules.get(func) or _rules.get(func.overloadpacket)
+        if rule is None:
+            from sbp.ops.optim import is_list_op, list_rule
+
+            rule = list_rule if is_list_op(func) else _FALLBACK
+        _resolved[func] = rule
+    return rule
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    flat, _ = flatten(args, kwargs)
-    check_placements(func, flat)
-    rule = _rule_for(func)
-    if rule is not None:
-        return rule(func, args, kwargs)
-    from sbp.ops.optim import is_list_op, list_rule
-
-    if is_list_op(func):
-        _rules[func] = list_rule
-        return list_rule(func, args, kwargs)
-    return fallback(func, args, kwargs)
+    flat, tree = flatten(args, kwargs)
+    key, gpos = scan(func, flat)
+    rule = _resolve(func)
+    if type(rule) is StrategyRule:
+        if rule is _FALLBACK:
+            _warn_fallback(func)
+        return run_strategy(rule, func, flat, tree, key, gpos)
+    return rule(func, args, kwargs)
 
 
 # ---------------------------------------------------------------- the strategy engine
-
-
-def _static_key(flat: list) -> tuple:
-    """Arguments that may change the decision: everything but floats and tensors' values."""
-    GT = _global_type()
-    out = []
-    for a in flat:
-        if isinstance(a, GT):
-            out.append(a._spec)
-        elif isinstance(a, torch.Tensor):
-            out.append(("t", tuple(a.shape), a.dtype))
-        elif isinstance(a, float):
-            out.append(float)
-        else:
-            out.append(a)
-    return tuple(out)
 
 
 def _meta(a):
@@ -272,8 +275,7 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
     return Decision(req, tuple(outs), tree, me in P, _empty_outputs(outs, me) if me in P else None)
 
 
-def decision_for(rule: StrategyRule, func, args, kwargs, flat, specs) -> Decision:
-    key = (func, _static_key(flat))
+def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision:
     d = _cache.get(key)
     if d is None:
         d = _decide(rule, func, args, kwargs, specs)
@@ -298,15 +300,14 @@ def is_inplace(func) -> bool:
     return found
 
 
-def run_strategy(rule: StrategyRule, func, args, kwargs) -> Any:
+def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
     from sbp.boxing.executor import empty_local
     from sbp.tensor import GlobalTensor, box
 
-    flat, tree = flatten(args, kwargs)
-    gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
-    specs = [flat[i]._spec for i in gpos]
-    d = decision_for(rule, func, args, kwargs, flat, specs)
-    me = env.get_rank()
+    d = _cache.get(key)
+    if d is None:
+        args, kwargs = unflatten(flat, tree)
+        d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
     inside = d.inside
     local_flat = list(flat)
     for i, req in zip(gpos, d.in_specs, strict=True):
@@ -322,10 +323,13 @@ def run_strategy(rule: StrategyRule, func, args, kwargs) -> Any:
         if leaves is None:
             largs, lkwargs = unflatten(local_flat, tree)
             if rule.local_args is not None:
-                largs, lkwargs = rule.local_args(func, largs, lkwargs, me, d.in_specs, d.out_specs)
+                largs, lkwargs = rule.local_args(
+                    func, largs, lkwargs, env.get_rank(), d.in_specs, d.out_specs
+                )
             out = func(*largs, **lkwargs)
             leaves, _ = flatten_outputs(out)
             if rule.post is not None:
+                args, kwargs = unflatten(flat, tree)
                 leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
     else:
         leaves = [None if s is None else empty_local(s) for s in d.out_specs]
@@ -375,14 +379,13 @@ def _empty_outputs(out_specs: list, rank: int) -> list | None:
 # ---------------------------------------------------------------- fallback
 
 
-def fallback(func, args: tuple, kwargs: dict) -> Any:
-    """Box every global input to broadcast, run the op locally, wrap outputs as broadcast."""
+def _warn_fallback(func) -> None:
+    """Ops with no rule run on broadcast inputs: warn once per op, count every call."""
     name = str(func)
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"sbp: no SBP rule for {name}; running it on broadcast inputs", stacklevel=3)
+        warnings.warn(f"sbp: no SBP rule for {name}; running it on broadcast inputs", stacklevel=4)
     stats.record(f"fallback:{name}", 0)
-    return run_strategy(_FALLBACK, func, args, kwargs)
 
 
 def _all_broadcast(call: Call) -> list[Strategy]:
