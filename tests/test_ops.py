@@ -99,6 +99,9 @@ ROWS = {
         two_d=[((S0, S1),), ((S0, S0),)],
     ),
     "amax_amin": Row([(5, 6)], lambda x: (x.amax(0), x.amin(1), x.amax()), [(S0,), (S1,), (P,)]),
+    "max_min_all": Row(
+        [(5, 6)], lambda x: (x.max(), x.min() * 2), [(S0,), (S1,), (B,)], two_d=[((S0, S1),)]
+    ),
     "max_dim": Row([(5, 6)], lambda x: x.max(1).values + x.min(0).values.sum(), [(S0,), (S1,)]),
     "var_std": Row([(6, 5)], lambda x: (x.var(0), x.std(1), x.var()), [(S0,), (S1,), (P,)]),
     "norm": Row(

@@ -74,12 +74,12 @@ def mean(call: Call) -> list[Strategy]:
     return [*reduction_candidates(call, partial_sum), Strategy((partial_sum,), (partial_sum,))]
 
 
-@register_strategy(aten.amax)
+@register_strategy(aten.amax, aten.max.default)
 def amax(call: Call) -> list[Strategy]:
     return reduction_candidates(call, Partial("max"))
 
 
-@register_strategy(aten.amin)
+@register_strategy(aten.amin, aten.min.default)
 def amin(call: Call) -> list[Strategy]:
     return reduction_candidates(call, Partial("min"))
 
