@@ -303,16 +303,13 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 def write_results(name: str, payload: dict[str, Any], out: Path | None = None) -> list[Path]:
-    """Write `payload` to results/<name>-<UTC timestamp>.json and results/<name>-latest.json
-    (or to `out` alone)."""
+    """Write `payload` to results/<name>-latest.json (or to `out` alone).
+
+    One file per benchmark, overwritten: the repository keeps the latest numbers, and git
+    history, not a pile of timestamped copies, keeps the old ones.
+    """
     text = json.dumps(payload, indent=1, sort_keys=False) + "\n"
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        return [out]
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    paths = [RESULTS_DIR / f"{name}-{stamp}.json", RESULTS_DIR / f"{name}-latest.json"]
-    for p in paths:
-        p.write_text(text)
-    return paths
+    path = out if out is not None else RESULTS_DIR / f"{name}-latest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return [path]

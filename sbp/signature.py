@@ -61,8 +61,10 @@ class Broadcast(SBP):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Broadcast)
 
+    _HASH = hash("B")
+
     def __hash__(self) -> int:
-        return hash("B")
+        return self._HASH
 
     def __repr__(self) -> str:
         return "sbp.broadcast"
@@ -74,7 +76,7 @@ class Broadcast(SBP):
 class Partial(SBP):
     """Logical tensor is the reduction (`sum`, `max` or `min`) of the local tensors."""
 
-    __slots__ = ("op",)
+    __slots__ = ("op", "_hash")
     is_partial = True
     OPS = ("sum", "max", "min")
 
@@ -82,12 +84,13 @@ class Partial(SBP):
         if op not in self.OPS:
             raise SbpSignatureError(f"partial op must be one of {self.OPS}, got {op!r}")
         self.op = op
+        self._hash = hash(("P", op))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Partial) and other.op == self.op
 
     def __hash__(self) -> int:
-        return hash(("P", self.op))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"sbp.partial_{self.op}"
