@@ -236,6 +236,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if tree is _PLAIN:
             return GT(func._op(*local), d.direct)
         largs, lkwargs = unflatten(local, tree)
+        if d.direct_size is not None:  # views: the local size, fixed by the output spec
+            largs = (largs[0], d.direct_size, *largs[2:])
         return GT(func._op(*largs, **lkwargs), d.direct)
     rule = _resolve(func)
     if type(rule) is StrategyRule:
@@ -274,6 +276,7 @@ class Decision:
     # The one output's spec when the op runs straight on the local tensors: no boxing, no
     # local_args/post, not in place, one tensor output, data here. The hot path of most ops.
     direct: GlobalSpec | None = None
+    direct_size: list | None = None  # the size argument of a view op on this rank
 
 
 def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
@@ -304,14 +307,15 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
     me = env.get_rank()
     inside = me in P
     empty_here = _empty_outputs(outs, me) if inside else None
-    direct = None
+    direct = direct_size = None
+    sized = getattr(rule.local_args, "size_from_output", False)
     if (
         inside
         and empty_here is None
         and tree is None
         and len(outs) == 1
         and outs[0] is not None
-        and rule.local_args is None
+        and (rule.local_args is None or sized)
         and rule.post is None
         and not is_inplace(func)
         and tuple(specs) == req
@@ -319,7 +323,8 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         and rule is not _FALLBACK  # the fallback counts every call in comm stats
     ):
         direct = outs[0]
-    return Decision(req, tuple(outs), tree, inside, empty_here, direct)
+        direct_size = list(outs[0].local_shape(me)) if sized else None
+    return Decision(req, tuple(outs), tree, inside, empty_here, direct, direct_size)
 
 
 def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision:

@@ -51,6 +51,9 @@ def local_out_size(func, args, kwargs, rank, in_specs, out_specs):
     return (args[0], list(out_specs[0].local_shape(rank)), *args[2:]), kwargs
 
 
+local_out_size.size_from_output = True  # the dispatcher may precompute it per decision
+
+
 @register_strategy(
     aten.view, aten._unsafe_view, aten.reshape, aten.expand, local_args=local_out_size
 )
