@@ -8,7 +8,6 @@ world is checked when a tensor is placed (`check_in_world`).
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 from functools import cached_property
@@ -197,7 +196,3 @@ def index_of_coord(coord: Sequence[int], hierarchy: Sequence[int]) -> int:
             raise PlacementError(f"coord {tuple(coord)} is outside hierarchy {tuple(hierarchy)}")
         index = index * n + c
     return index
-
-
-def num_ranks(hierarchy: Sequence[int]) -> int:
-    return math.prod(hierarchy)
