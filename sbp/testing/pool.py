@@ -75,8 +75,9 @@ def _worker_main(
         try:
             payload = conn.recv_bytes()
         except EOFError:
-            return
+            payload = b"stop"
         if payload == b"stop":
+            dist.destroy_process_group()  # else gloo may abort at interpreter exit
             return
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
