@@ -168,3 +168,18 @@ def test_pool_runs_reports_and_survives(pool4):
     with pytest.raises(SpmdError, match=r"rank 1 died \(exit code 7\)"):
         pool4.run(_exit_on_rank_one)
     assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
+
+
+def _rank_one_hangs():
+    import time
+
+    if sbp.env.get_rank() == 1:
+        time.sleep(600)
+    return sbp.env.get_rank()
+
+
+def test_pool_reports_a_hung_worker_with_its_stack_and_recovers(pool4):
+    with pytest.raises(SpmdError, match=r"ranks \[1\] did not finish in time") as info:
+        pool4.run(_rank_one_hangs, timeout=3)
+    assert "_rank_one_hangs" in str(info.value)  # faulthandler's dump of the stuck rank
+    assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
