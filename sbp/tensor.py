@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from sbp import boxing, comm, env, gradients
-from sbp.boxing.executor import empty_local
+from sbp.boxing.executor import empty_local, local_device
 from sbp.errors import DeviceMismatchError, MetaMismatchError, PlacementError
 from sbp.layout import GlobalSpec, check_shape, logical_size_along
 from sbp.placement import placement as Placement
@@ -274,6 +274,11 @@ def local_to_global(
         error = DeviceMismatchError(
             f"to_global: the local tensor is on {x.device} but the placement type is "
             f"{placement.type!r}; move it first (x.to({placement.type!r}))"
+        )
+    elif inside and placement.type == "cuda" and x.device != local_device("cuda"):
+        error = DeviceMismatchError(
+            f"to_global: the local tensor is on {x.device}; a cuda placement keeps rank "
+            f"{me}'s data on {local_device('cuda')} (cuda:LOCAL_RANK)"
         )
     if shape is not None:
         shape = check_shape(shape)
