@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -563,23 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.time()
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in args.world_sizes:
-            print(f"world size {n}:", flush=True)
-            part = Path(tmp) / f"n{n}.json"
-            common.spawn(worker, n, cfg, str(part))
-            rows += json.loads(part.read_text())
+    for n in args.world_sizes:
+        rows += common.gather_rows(worker, n, cfg)
     text = print_table(rows)
     summary = summarize(rows)
-    print()
-    print(text)
-    print()
-    for key, items in summary.items():
-        if key == "uneven_over_even":
-            continue
-        print(f"{key}: {len(items)}")
-        for item in items:
-            print(f"  {item}")
+    common.print_report(text, summary, skip=("uneven_over_even",))
     payload = {
         "benchmark": "boxing",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

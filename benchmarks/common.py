@@ -73,6 +73,30 @@ def _entry(rank: int, worker: Callable[..., None], world: int, port: int, args: 
         dist.destroy_process_group()
 
 
+def gather_rows(worker: Callable[..., None], world_size: int, cfg: dict[str, Any]) -> list[dict]:
+    """Run `worker(rank, world, cfg, path)` on `world_size` ranks; return the rows it wrote."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / f"n{world_size}.json"
+        print(f"world size {world_size}:", flush=True)
+        spawn(worker, world_size, cfg, str(part))
+        return json.loads(part.read_text())
+
+
+def print_report(text: str, summary: dict[str, list], skip: Sequence[str] = ()) -> None:
+    """The table, then each target's misses."""
+    print()
+    print(text)
+    print()
+    for key, items in summary.items():
+        if key in skip:
+            continue
+        print(f"{key}: {len(items)}")
+        for item in items:
+            print(f"  {item}")
+
+
 def init_worker(rank: int, world: int, port: int) -> None:
     """gloo over 127.0.0.1, the variables torchrun would set (sbp.env adopts the group)."""
     os.environ.update(

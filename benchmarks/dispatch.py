@@ -30,7 +30,6 @@ import cProfile
 import io
 import json
 import pstats
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -462,20 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         "profile_top": args.profile_top,
     }
     started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "rows.json"
-        print(f"world size {WORLD_SIZE}:", flush=True)
-        common.spawn(worker, WORLD_SIZE, cfg, str(part))
-        rows = json.loads(part.read_text())
+    rows = common.gather_rows(worker, WORLD_SIZE, cfg)
     text = print_tables(rows)
     summary = summarize(rows)
-    print()
-    print(text)
-    print()
-    for key, items in summary.items():
-        print(f"{key}: {len(items)}")
-        for item in items:
-            print(f"  {item}")
+    common.print_report(text, summary)
     if args.profile:
         for r in rows:
             for name, prof in r.get("profile", {}).items():
