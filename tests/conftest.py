@@ -27,3 +27,11 @@ def pool4():
     from sbp.testing import get_pool
 
     return get_pool(4)
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    """Two SPMD ranks on gloo for the whole session."""
+    from sbp.testing import get_pool
+
+    return get_pool(2)

@@ -374,3 +374,18 @@ def test_op_without_rule_falls_back_to_broadcast_and_warns(pool4):
         if rank < 3:
             assert any("no SBP rule for aten.cumsum" in m for m in warned) or kinds
             assert any(k.startswith("fallback:aten.cumsum") for k in kinds)
+
+
+WORLD2_CASES = [(name, tuple((s,) for s in row.sbps[0]), [1, 0]) for name, row in ROWS.items()]
+WORLD2_CASES += [
+    (name, tuple((s,) for s in combo), [0, 1])
+    for name, row in ROWS.items()
+    for combo in row.sbps[1:]
+]
+
+
+@pytest.mark.parametrize("case", WORLD2_CASES, ids=[_id(c) for c in WORLD2_CASES])
+def test_op_matches_single_process_in_a_world_of_2(pool2, case):
+    name, nd, ranks = case
+    for rank, errors in enumerate(pool2.run(_run_case, name, list(nd), ranks)):
+        assert not errors, f"rank {rank}: {errors}"
