@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from sbp import comm, env
-from sbp.signature import broadcast
+from sbp.signature import partials_to_broadcast
 
 BUCKET_BYTES = 25 * 2**20
 _pending: list = []
@@ -58,7 +58,7 @@ def flush() -> None:
     me = env.get_rank()
     for (placement, nd, _, _), members in groups.items():
         dims = [h for h, s in enumerate(nd) if s.is_partial]
-        done = tuple(broadcast if s.is_partial else s for s in nd)
+        done = partials_to_broadcast(nd)
         for bucket in _buckets(members):
             if me in placement:
                 _all_reduce_bucket(bucket, [placement.group_ranks(me, h) for h in dims])

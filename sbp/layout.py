@@ -8,13 +8,20 @@ by the first hierarchy dim, then each part by the next, in order.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from sbp.errors import PlacementError, SbpError
+from sbp.placement import index_of_coord
 from sbp.placement import placement as Placement
 from sbp.signature import NdSbp, normalize_nd_sbp
+
+
+def elements_per_index(shape: Sequence[int], dim: int) -> int:
+    """How many elements one index of `dim` spans: the product of the other sizes."""
+    return math.prod(shape[:dim]) * math.prod(shape[dim + 1 :])
 
 
 def balanced_sizes(size: int, parts: int) -> list[int]:
@@ -108,10 +115,7 @@ def logical_size_along(
         coord = [0] * len(hierarchy)
         for h, c in zip(split_dims, combo, strict=True):
             coord[h] = c
-        index = 0
-        for c, n in zip(coord, hierarchy, strict=True):
-            index = index * n + c
-        total += int(local_sizes[index])
+        total += int(local_sizes[index_of_coord(coord, hierarchy)])
     return total
 
 

@@ -145,6 +145,11 @@ def normalize_nd_sbp(sbp: Any, hierarchy_ndim: int, tensor_ndim: int | None = No
     return tuple(out)
 
 
+def partials_to_broadcast(nd_sbp: NdSbp) -> NdSbp:
+    """`nd_sbp` with every partial dim made broadcast (what a reduced value looks like)."""
+    return tuple(broadcast if s.is_partial else s for s in nd_sbp)
+
+
 def is_all_broadcast(nd_sbp: NdSbp) -> bool:
     return all(s.is_broadcast for s in nd_sbp)
 

@@ -19,7 +19,7 @@ from sbp.boxing.executor import empty_local, local_device
 from sbp.errors import DeviceMismatchError, MetaMismatchError, PlacementError
 from sbp.layout import GlobalSpec, check_shape, logical_size_along
 from sbp.placement import placement as Placement
-from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp
+from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp, partials_to_broadcast
 
 
 class GlobalTensor(torch.Tensor):
@@ -129,7 +129,7 @@ def _grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
     """Sbp of the gradient sent back to `src`: its own, a partial one made broadcast."""
     if grad_sbp is not None:
         return normalize_nd_sbp(grad_sbp, src.placement.ndim, len(src.shape))
-    return tuple(broadcast if s.is_partial else s for s in src.nd_sbp)
+    return partials_to_broadcast(src.nd_sbp)
 
 
 def box(local: torch.Tensor, src: GlobalSpec, dst: GlobalSpec) -> torch.Tensor:

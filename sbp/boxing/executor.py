@@ -8,11 +8,13 @@ unpacking and reducing go through `sbp.kernels`. The input is never modified.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sbp import comm, env, kernels
 from sbp.boxing.planner import Plan, Step
-from sbp.layout import GlobalSpec, balanced_range, balanced_sizes
+from sbp.layout import GlobalSpec, balanced_range, balanced_sizes, elements_per_index
 
 
 def local_device(placement_type: str) -> torch.device:
@@ -87,7 +89,7 @@ def _all_gather(x, dim, shapes, after, rank, group) -> torch.Tensor:
     out = torch.empty(after.local_shape(rank), dtype=x.dtype, device=x.device)
     sizes = [s[dim] for s in shapes]
     pad = max(sizes)
-    if pad * _rest(out.shape, dim) == 0:
+    if pad * elements_per_index(out.shape, dim) == 0:
         return out
     leading = all(s == 1 for s in x.shape[:dim])
     if len(set(sizes)) == 1 and leading:
@@ -103,11 +105,11 @@ def _split_to_split(x, src_dim, dst_dim, shapes, after, rank, group, me) -> torc
     n = len(group)
     parts = balanced_sizes(x.shape[dst_dim], n)
     send = kernels.pack_chunks(x, dst_dim, parts)
-    send_splits = [p * _rest(x.shape, dst_dim) for p in parts]
+    send_splits = [p * elements_per_index(x.shape, dst_dim) for p in parts]
     recv_shapes = [_with(s, dst_dim, parts[me]) for s in shapes]
-    recv_splits = [_numel(s) for s in recv_shapes]
+    recv_splits = [math.prod(s) for s in recv_shapes]
     out = torch.empty(after.local_shape(rank), dtype=x.dtype, device=x.device)
-    if sum(_numel(s) for s in shapes) == 0:
+    if sum(math.prod(s) for s in shapes) == 0:
         return out
     if all(s == 1 for s in out.shape[:src_dim]):  # chunks arrive already in out's layout
         comm.all_to_all(out.view(-1), send, recv_splits, send_splits, group)
@@ -126,8 +128,8 @@ def _partial_to_split(x, op, dim, group, me) -> torch.Tensor:
     if x.numel() == 0:
         return x.new_empty(mine)
     send = kernels.pack_chunks(x, dim, parts)
-    send_splits = [p * _rest(x.shape, dim) for p in parts]
-    chunk = _numel(mine)
+    send_splits = [p * elements_per_index(x.shape, dim) for p in parts]
+    chunk = math.prod(mine)
     recv = kernels.staging(n * chunk, x.dtype, x.device, "recv")
     comm.all_to_all(recv, send, [chunk] * n, send_splits, group)
     return kernels.reduce_chunks(
@@ -170,15 +172,3 @@ def _slices(box, ranges) -> tuple[slice, ...]:
 
 def _with(shape, dim, size) -> tuple[int, ...]:
     return tuple(size if i == dim else s for i, s in enumerate(shape))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _rest(shape, dim) -> int:
-    """Elements per index of `dim`."""
-    return _numel(shape[:dim]) * _numel(shape[dim + 1 :])

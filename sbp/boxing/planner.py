@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from sbp.comm import cost
-from sbp.layout import GlobalSpec, balanced_sizes
-from sbp.signature import SBP, NdSbp, broadcast, format_nd_sbp, short
+from sbp.layout import GlobalSpec, balanced_sizes, elements_per_index
+from sbp.signature import SBP, NdSbp, broadcast, format_nd_sbp, partials_to_broadcast, short
 
 Box = tuple[tuple[int, int], ...]
 
@@ -48,13 +49,6 @@ def _kind(s: SBP) -> str:
 
 def _elem_size(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass(frozen=True)
@@ -175,25 +169,22 @@ def _group_step(before: GlobalSpec, h: int, b: SBP) -> Step:
             shapes = [before.local_shape(r) for r in group]
             mine = shapes[me]
             if kind == ("S", "B"):
-                pad = max(s[a.dim] for s in shapes) * _rest(mine, a.dim) * es
+                pad = max(s[a.dim] for s in shapes) * elements_per_index(mine, a.dim) * es
                 sent[rank] = cost.all_gather_bytes(n, pad)
                 recv[rank] = sent[rank]
             elif kind == ("P", "B"):
-                sent[rank] = recv[rank] = cost.all_reduce_bytes(n, _numel(mine) * es)
+                sent[rank] = recv[rank] = cost.all_reduce_bytes(n, math.prod(mine) * es)
             else:
                 d = b.dim
                 parts = balanced_sizes(mine[d], n)
-                rest = _rest(mine, d)
+                rest = elements_per_index(mine, d)
                 sent[rank] = cost.all_to_all_bytes([p * rest * es for p in parts], me)
                 recv[rank] = sum(
-                    parts[me] * _rest(s, d) * es for i, s in enumerate(shapes) if i != me
+                    parts[me] * elements_per_index(s, d) * es
+                    for i, s in enumerate(shapes)
+                    if i != me
                 )
     return Step(before, after, hdim=h, sent=sent, recv=recv)
-
-
-def _rest(shape, dim: int) -> int:
-    """Elements per index of `dim`."""
-    return _numel(shape[:dim]) * _numel(shape[dim + 1 :])
 
 
 def _same_placement_steps(src: GlobalSpec, dst_sbp: NdSbp) -> tuple[Step, ...]:
@@ -228,10 +219,6 @@ def _same_placement_steps(src: GlobalSpec, dst_sbp: NdSbp) -> tuple[Step, ...]:
 # ---------------------------------------------------------------- placement change
 
 
-def _without_partials(nd_sbp: NdSbp) -> NdSbp:
-    return tuple(broadcast if s.is_partial else s for s in nd_sbp)
-
-
 def _box_of(spec: GlobalSpec, rank: int) -> Box:
     return tuple(spec.ranges(rank))
 
@@ -250,7 +237,7 @@ def _transfer_step(src: GlobalSpec, dst: GlobalSpec) -> Step:
         holders.setdefault(_box_of(src, r), []).append(r)
     es = _elem_size(src.dtype)
     transfers, sent, recv = [], {}, {}
-    if _numel(src.shape) > 0:
+    if math.prod(src.shape) > 0:
         for i, r in enumerate(dst.placement.flat_ranks):
             need = _box_of(dst, r)
             for box, replicas in holders.items():
@@ -260,7 +247,7 @@ def _transfer_step(src: GlobalSpec, dst: GlobalSpec) -> Step:
                 s = r if r in replicas else replicas[i % len(replicas)]
                 transfers.append(Transfer(s, r, piece))
                 if s != r:
-                    nbytes = _numel([hi - lo for lo, hi in piece]) * es
+                    nbytes = math.prod([hi - lo for lo, hi in piece]) * es
                     sent[s] = sent.get(s, 0) + nbytes
                     recv[r] = recv.get(r, 0) + nbytes
     return Step(src, dst, hdim=None, transfers=tuple(transfers), sent=sent, recv=recv)
@@ -273,8 +260,8 @@ def plan_specs(src: GlobalSpec, dst: GlobalSpec) -> Plan:
         raise ValueError(f"boxing keeps the logical shape: {src.shape} vs {dst.shape}")
     if src.placement == dst.placement:
         return Plan(src, dst, _same_placement_steps(src, dst.nd_sbp))
-    mid_src = src._replace(nd_sbp=_without_partials(src.nd_sbp))
-    mid_dst = dst._replace(nd_sbp=_without_partials(dst.nd_sbp))
+    mid_src = src._replace(nd_sbp=partials_to_broadcast(src.nd_sbp))
+    mid_dst = dst._replace(nd_sbp=partials_to_broadcast(dst.nd_sbp))
     steps = list(_same_placement_steps(src, mid_src.nd_sbp))
     steps.append(_transfer_step(mid_src, mid_dst))
     steps += _same_placement_steps(mid_dst, dst.nd_sbp)

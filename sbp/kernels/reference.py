@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
+
+from sbp.layout import elements_per_index
 
 
 def pack_chunks(
@@ -17,7 +20,7 @@ def pack_chunks(
     collectives that need equal chunks). Costs one copy, none when the chunks are
     already laid out so (split along dim 0 of a contiguous tensor, no padding).
     """
-    rest = _numel_without(x.shape, dim)
+    rest = elements_per_index(x.shape, dim)
     whole = len(sizes) == 1 and pad_to in (None, sizes[0])
     leading = all(s == 1 for s in x.shape[:dim])
     if x.is_contiguous() and (whole or (leading and pad_to is None)):
@@ -70,9 +73,7 @@ def unpack_chunks(
     right after chunk i-1) is copied into `out` at its place along `dim`."""
     offset = start = 0
     for i, shape in enumerate(chunk_shapes):
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         if stride is not None:
             offset = i * stride
         if n:
@@ -105,11 +106,3 @@ def fill_value(dtype: torch.dtype, op: str) -> float | int | bool:
         return float("-inf") if op == "max" else float("inf")
     info = torch.iinfo(dtype)
     return info.min if op == "max" else info.max
-
-
-def _numel_without(shape: Sequence[int], dim: int) -> int:
-    n = 1
-    for i, s in enumerate(shape):
-        if i != dim:
-            n *= s
-    return n

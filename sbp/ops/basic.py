@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sbp.ops.registry import register
-from sbp.signature import broadcast
+from sbp.signature import partials_to_broadcast
 
 aten = torch.ops.aten
 
@@ -27,6 +27,6 @@ def like(func, args, kwargs):
 
     g = args[0]
     spec = g._spec
-    nd = tuple(broadcast if s.is_partial else s for s in spec.nd_sbp)
+    nd = partials_to_broadcast(spec.nd_sbp)
     out = func(g._local, *args[1:], **kwargs)
     return GlobalTensor(out, spec._replace(nd_sbp=nd, dtype=out.dtype))

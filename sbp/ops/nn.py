@@ -172,7 +172,8 @@ def _bn_layout(x) -> tuple:
 
 @register(aten.native_batch_norm.default)
 def native_batch_norm(func, args, kwargs):
-    """Train mode: mean and variance over the whole logical batch (two all-reduces, exact)."""
+    """Train mode: mean and variance over the whole logical batch, from one all-reduce of
+    shifted sums (two passes when there are no running statistics to shift by)."""
     from sbp.tensor import GlobalTensor
 
     x, weight, bias, running_mean, running_var, training, momentum, eps = args

@@ -13,7 +13,7 @@ import torch
 from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.ops.registry import rebox, register
-from sbp.signature import broadcast
+from sbp.signature import broadcast, partials_to_broadcast
 
 aten = torch.ops.aten
 
@@ -42,7 +42,7 @@ def list_rule(func, args, kwargs):
     ]
     written = _written(func)
     first = args[lists[0]]
-    targets = [tuple(broadcast if s.is_partial else s for s in t._spec.nd_sbp) for t in first]
+    targets = [partials_to_broadcast(t._spec.nd_sbp) for t in first]
     placement = first[0]._spec.placement
     local_args = list(args)
     for li in lists:

@@ -26,7 +26,7 @@ from sbp.boxing import plan_specs
 from sbp.comm import stats
 from sbp.errors import PlacementError
 from sbp.layout import GlobalSpec
-from sbp.signature import SBP, broadcast
+from sbp.signature import SBP, broadcast, partials_to_broadcast
 
 _rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
@@ -411,7 +411,7 @@ def rebox(g, nd_sbp) -> Any:
 
 def without_partials(g) -> Any:
     """`g` with every partial hierarchy dim reduced to broadcast."""
-    return rebox(g, tuple(broadcast if s.is_partial else s for s in g._spec.nd_sbp))
+    return rebox(g, partials_to_broadcast(g._spec.nd_sbp))
 
 
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
