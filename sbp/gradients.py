@@ -124,7 +124,7 @@ class Reducer:
         self.params, self.leaves, self.ranks, self.partial_nd = params, leaves, ranks, partial_nd
         self.sync = True
         self.trace: list | None = None  # set to a list to record ("ready", i) / ("launch", b)
-        self._buckets = _plan_buckets(leaves, bucket_bytes, first_bucket_bytes)
+        self._buckets = _plan_buckets(leaves, bucket_bytes, min(first_bucket_bytes, bucket_bytes))
         self._where = {}
         for b, bucket in enumerate(self._buckets):
             offset = 0

@@ -138,6 +138,7 @@ class _Run:
 
     def __init__(self, fast: DataParallel, layout: Layout, data_nd: tuple):
         self.fast, self.layout, self.data_nd = fast, layout, data_nd
+        self.group = fast.group(data_nd)
         self.bn_calls = self.dropouts = 0
         self.to_sync: list[torch.Tensor] = []
 
@@ -161,8 +162,10 @@ class _Run:
             raise RuntimeError("sbp data-parallel fast path: more BatchNorm calls than checked")
         count = counts[self.bn_calls]
         self.bn_calls += 1
-        if self.fast.batch_norm == "local":
-            self.to_sync += [t for t in (running_mean, running_var) if t is not None]
+        group = self.group
+        if self.fast.batch_norm == "local" or len(group) == 1:
+            if len(group) > 1:
+                self.to_sync += [t for t in (running_mean, running_var) if t is not None]
             return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
         return batch_norm.LogicalBatchNorm.apply(
             input,
@@ -173,7 +176,7 @@ class _Run:
             momentum if momentum is not None else 0.0,
             eps,
             count,
-            batch_norm.group_all_reduce(self.fast.group(self.data_nd)),
+            batch_norm.group_all_reduce(group),
         )
 
     def dropout(self, input, p=0.5, training=True, inplace=False):
@@ -253,7 +256,7 @@ class DataParallel:
         self._original = module.forward
         self._layouts: OrderedDict = OrderedDict()
         self._warned: set[str] = set()
-        self._slots: list | None = None  # (submodule, name, tensor, is_param)
+        self._slots: list | None = None  # (submodule, name, tensor, is_param, spec)
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reducer: gradients.Reducer | None = None
         self._reducer_key: tuple | None = None
@@ -317,29 +320,34 @@ class DataParallel:
         return tuple(key), data_nd
 
     def _params_broadcast(self) -> bool:
-        if self._slots is None or any(
-            (sub._parameters if is_param else sub._buffers).get(name) is not t
-            for sub, name, t, is_param in self._slots
+        """Are the module's parameters and buffers still the broadcast ones seen last time?"""
+        slots = self._slots
+        if slots is not None and all(
+            (sub._parameters if is_param else sub._buffers).get(name) is t and t._spec is spec
+            for sub, name, t, is_param, spec in slots
         ):
-            self._slots = [
-                (sub, name, t, is_param)
-                for sub in self._module_ref.modules()
-                for is_param, table in ((True, sub._parameters), (False, sub._buffers))
-                for name, t in table.items()
-                if t is not None
-            ]
+            return True
         allb = (broadcast,) * self.placement.ndim
-        return all(
-            isinstance(t, GlobalTensor)
-            and t._spec.placement == self.placement
-            and t._spec.nd_sbp == allb
-            for _, _, t, _ in self._slots
-        )
+        self._slots = []
+        for sub in self._module_ref.modules():
+            for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if not (
+                        isinstance(t, GlobalTensor)
+                        and t._spec.placement == self.placement
+                        and t._spec.nd_sbp == allb
+                    ):
+                        self._slots = None
+                        return False
+                    self._slots.append((sub, name, t, is_param, t._spec))
+        return True
 
     # ------------------------------------------------------------ checking pass
     def _check(self, args, kwargs, data_nd) -> Layout:
         """Run the module op by op, watching every op, without lasting effects."""
-        buffers = [t for _, _, t, is_param in self._slots if not is_param]
+        buffers = [t for _, _, t, is_param, _ in self._slots if not is_param]
         saved = [b._local.clone() for b in buffers]
         rng = dict(random._state)
         check = _Check(data_nd)
@@ -371,7 +379,7 @@ class DataParallel:
 
     def _local_leaves(self, data_nd: tuple) -> dict[int, torch.Tensor]:
         """A local leaf per parameter, sharing its storage; made again if a local changed."""
-        params = {id(t): t for _, _, t, is_param in self._slots if is_param}
+        params = {id(t): t for _, _, t, is_param, _ in self._slots if is_param}
         fresh = {}
         for pid, p in params.items():
             cached = self._leaves.get(pid)
@@ -424,7 +432,7 @@ class DataParallel:
 
     @contextlib.contextmanager
     def _swapped(self, leaves: dict[int, torch.Tensor]) -> Iterator[None]:
-        for sub, name, t, is_param in self._slots:
+        for sub, name, t, is_param, _ in self._slots:
             if is_param:
                 sub._parameters[name] = leaves[id(t)]
             else:
@@ -432,17 +440,21 @@ class DataParallel:
         try:
             yield
         finally:
-            for sub, name, t, is_param in self._slots:
+            for sub, name, t, is_param, _ in self._slots:
                 (sub._parameters if is_param else sub._buffers)[name] = t
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
-        """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does."""
+        """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
+
+        Train-mode BatchNorm's backward never reads the running statistics, so overwriting
+        them keeps their version (autograd would otherwise refuse the backward)."""
         group = self.group(data_nd)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         comm.broadcast(flat, group[0], group)
         offset = 0
         for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
     def _wrap(self, out, layout: Layout, data_nd: tuple, grad: bool):
@@ -537,10 +549,15 @@ def data_parallel(
 @contextlib.contextmanager
 def no_sync(module: torch.nn.Module) -> Iterator[None]:
     """Accumulate gradients without reducing them (micro-batches), as torch DDP's `no_sync`:
-    inside, `.grad` holds this rank's partial sums; the next backward outside reduces all."""
+    a backward inside leaves `.grad` as this rank's partial sums (whether the forward ran
+    inside or not); the next backward outside reduces them with its own."""
     s = state(module)
     s.sync = False
+    if s._reducer is not None:
+        s._reducer.sync = False
     try:
         yield
     finally:
         s.sync = True
+        if s._reducer is not None:
+            s._reducer.sync = True

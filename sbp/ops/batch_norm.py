@@ -171,6 +171,11 @@ def _bn_layout(x) -> tuple:
     return tuple(s if s.is_split and s.dim != 1 else broadcast for s in x._spec.nd_sbp)
 
 
+def _parts(placement, nd) -> int:
+    """Into how many parts `nd` splits the batch (1: every rank holds all of it)."""
+    return math.prod(n for n, s in zip(placement.hierarchy, nd, strict=True) if s.is_split)
+
+
 def _count(x) -> int:
     return math.prod(x.shape[d] for d in range(x.dim()) if d != 1)
 
@@ -201,7 +206,7 @@ def native_batch_norm(func, args, kwargs):
             GlobalTensor(empty, stat_spec),
         )
     w, b, rm, rv = _locals((weight, bias, running_mean, running_var), len(nd))
-    if not training or not any(s.is_split for s in nd):
+    if not training or _parts(placement, nd) == 1:
         out, m, v = func(x._local, w, b, rm, rv, training, momentum, eps)
         mspec = stat_spec._replace(dtype=m.dtype)
         return (
@@ -230,7 +235,7 @@ def native_batch_norm_backward(func, args, kwargs):
     x, grad_out = rebox(x, nd), rebox(grad_out, nd)
     placement = x._spec.placement
     allb = (broadcast,) * len(nd)
-    split_batch = any(s.is_split for s in nd)
+    split_batch = _parts(placement, nd) > 1
     param_nd = (
         allb if train and split_batch else tuple(partial_sum if s.is_split else s for s in nd)
     )

@@ -241,11 +241,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         GT = _global_type()
         local = [a._local if type(a) is GT else a for a in flat]
         if tree is _PLAIN:
-            return GT(func._op(*local), d.direct)
+            out = func._op(*local)
+            return flat[0] if d.direct_inplace else GT(out, d.direct)
         largs, lkwargs = unflatten(local, tree)
         if d.direct_size is not None:  # views: the local size, fixed by the output spec
             largs = (largs[0], d.direct_size, *largs[2:])
-        return GT(func._op(*largs, **lkwargs), d.direct)
+        out = func._op(*largs, **lkwargs)
+        return flat[0] if d.direct_inplace else GT(out, d.direct)
     rule = _resolve(func)
     if type(rule) is StrategyRule:
         if rule is _FALLBACK:
@@ -283,9 +285,11 @@ class Decision:
     inside: bool  # this rank holds data of the placement
     empty_here: list | None  # this rank's outputs when all are empty (some kernels reject those)
     # The one output's spec when the op runs straight on the local tensors: no boxing, no
-    # local_args/post, not in place, one tensor output, data here. The hot path of most ops.
+    # local_args/post, one tensor output (in place only where it keeps the layout), data
+    # here. The hot path of most ops.
     direct: GlobalSpec | None = None
     direct_size: list | None = None  # the size argument of a view op on this rank
+    direct_inplace: bool = False  # writes its first argument, whose layout stays (an optimizer's)
 
 
 def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
@@ -326,14 +330,15 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         and outs[0] is not None
         and (rule.local_args is None or sized)
         and rule.post is None
-        and not is_inplace(func)
+        and (not is_inplace(func) or outs[0] == specs[0])
         and tuple(specs) == req
         and getattr(func, "_pyobj_dispatcher", None) is None
         and rule is not _FALLBACK  # the fallback counts every call in comm stats
     ):
         direct = outs[0]
         direct_size = list(outs[0].local_shape(me)) if sized else None
-    return Decision(req, tuple(outs), tree, inside, empty_here, direct, direct_size)
+    inplace = direct is not None and is_inplace(func)
+    return Decision(req, tuple(outs), tree, inside, empty_here, direct, direct_size, inplace)
 
 
 def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision:

@@ -1,0 +1,298 @@
+"""Data-parallel training: global tensors vs torch DDP, same machine, same run.
+
+mobilenet_v2 (10 classes) on 3x32x32, SGD with momentum, a batch of `--batch` per rank.
+Each method trains its own copy of the model from the same initial weights on the same
+data; the methods take turns step by step (a barrier before each step, the slowest rank's
+time per step), so slow phases of this shared machine hit them alike.
+
+Rows (world of `--world`):
+- global, per-shard BN: `model.to_global(P, broadcast)`, `sbp.nn.data_parallel(model,
+  batch_norm="local")`: the statistics torch DDP computes;
+- global, logical BN: the default, statistics of the whole logical batch (one all-reduce
+  per BatchNorm layer forward and one backward);
+- global, op by op: the same with the fast path off (`fast=False`);
+- torch DDP: `torch.nn.parallel.DistributedDataParallel` (and `+ SyncBatchNorm` on cuda);
+- sbp DDP: `sbp.nn.parallel.DistributedDataParallel` when it exists.
+World of one: plain torch and the global fast path in one process; its plain torch row is
+also the one-process anchor for the scaling of the others.
+
+The logical row's floor is the torch DDP step plus, for each small collective it adds per
+step, the latency of a small all-reduce measured in the same run.
+
+    .venv/bin/python benchmarks/data_parallel.py            # ~3 min on 2 cores
+    .venv/bin/python benchmarks/data_parallel.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    fmt,
+    gather_rows,
+    machine_info,
+    ratio,
+    table,
+    time_methods,
+    write_results,
+)
+
+
+def _model(device: str) -> torch.nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.mobilenet_v2(num_classes=10).to(device)
+
+
+def _batches(rank: int, cfg: dict, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    n = cfg["batch"]
+    return [
+        (
+            torch.randn(n, 3, 32, 32, generator=g).to(device),
+            torch.randint(0, 10, (n,), generator=g).to(device),
+        )
+        for _ in range(4)
+    ]
+
+
+class Trainer:
+    """One method: a model, an optimizer and a step over a cycling list of batches."""
+
+    def __init__(self, model, batches, wrap_batch):
+        self.model, self.batches, self.wrap_batch = model, batches, wrap_batch
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.i = 0
+
+    def step(self) -> torch.Tensor:
+        x, y = self.wrap_batch(*self.batches[self.i % len(self.batches)])
+        self.i += 1
+        loss = F.cross_entropy(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+def _global_trainer(base, batches, device, **options):
+    import sbp
+    import sbp.nn
+
+    P = sbp.placement.all(device)
+    model = copy.deepcopy(base).to_global(P, sbp.broadcast)
+    sbp.nn.data_parallel(model, **options)
+    return Trainer(model, batches, lambda x, y: sbp.to_global((x, y), P, sbp.split(0)))
+
+
+def _ddp_trainer(base, batches, device, sync_bn=False, wrapper=None):
+    model = copy.deepcopy(base)
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    ids = [torch.cuda.current_device()] if device == "cuda" else None
+    ddp = (wrapper or torch.nn.parallel.DistributedDataParallel)(model, device_ids=ids)
+    return Trainer(ddp, batches, lambda x, y: (x, y))
+
+
+def _small_all_reduce_ms(n: int = 64) -> float:
+    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums)."""
+    t = torch.zeros(2, 96)
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    out = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.item()
+
+
+def _collectives_per_step(trainer) -> dict:
+    """Collectives of one step, and how many of them are gradient buckets."""
+    import sbp
+    import sbp.nn
+
+    with sbp.comm_stats() as st:
+        trainer.step()
+    reducer = sbp.nn.fast_path.state(trainer.model)._reducer
+    buckets = len(reducer._buckets) if reducer is not None else 0
+    return {"calls": dict(st.by_kind), "bytes": dict(st.bytes_by_kind), "buckets": buckets}
+
+
+def _max_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """Largest relative parameter difference between two models (global ones gathered)."""
+    worst = 0.0
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        p = p.full_tensor() if getattr(p, "is_global", False) else p
+        worst = max(worst, ((p - q).norm() / q.norm().clamp_min(1e-12)).item())
+    return worst
+
+
+def worker(rank: int, world: int, cfg: dict, path: str) -> None:
+    device = cfg["device"]
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    base = _model(device)
+    batches = _batches(rank, cfg, device)
+    methods: dict = {}
+    rows: dict = {"world": world}
+    if world == 1:
+        plain = Trainer(copy.deepcopy(base), batches, lambda x, y: (x, y))
+        methods["plain torch"] = plain.step
+        methods["global (fast path)"] = _global_trainer(base, batches, device).step
+    else:
+        shard = _global_trainer(base, batches, device, batch_norm="local")
+        logical = _global_trainer(base, batches, device)
+        ddp = _ddp_trainer(base, batches, device)
+        methods["global, per-shard BN"] = shard.step
+        methods["global, logical BN"] = logical.step
+        if not cfg["quick"]:
+            methods["global, op by op"] = _global_trainer(base, batches, device, fast=False).step
+        methods["torch DDP"] = ddp.step
+        if device == "cuda":
+            methods["torch DDP + SyncBatchNorm"] = _ddp_trainer(base, batches, device, True).step
+        try:
+            from sbp.nn.parallel import DistributedDataParallel as SbpDDP
+
+            methods["sbp DDP"] = _ddp_trainer(base, batches, device, wrapper=SbpDDP).step
+        except ImportError:
+            pass
+    timings = time_methods(methods, cfg["warmup"], cfg["steps"])
+    rows["timings"] = {k: v.as_dict() for k, v in timings.items()}
+    if world > 1:
+        rows["small_all_reduce_ms"] = _small_all_reduce_ms()
+        rows["logical_step_collectives"] = _collectives_per_step(logical)
+        rows["shard_step_collectives"] = _collectives_per_step(shard)
+        ddp.step()  # the same number of steps as `shard` again
+        rows["per_shard_vs_ddp_max_rel_param_diff"] = _max_rel_diff(shard.model, ddp.module)
+    if rank == 0:
+        Path(path).write_text(json.dumps(rows))
+
+
+def _small_calls(collectives: dict) -> int:
+    """Collectives of a step other than the gradient buckets."""
+    return sum(collectives["calls"].values()) - collectives["buckets"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32, help="per rank")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="3 steps, no op-by-op row")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    cfg = {
+        "batch": args.batch,
+        "steps": 3 if args.quick else args.steps,
+        "warmup": 1 if args.quick else args.warmup,
+        "device": args.device,
+        "quick": args.quick,
+    }
+    one = gather_rows(worker, 1, cfg)
+    many = gather_rows(worker, args.world, cfg)
+
+    def median(res, name):
+        t = res["timings"].get(name, {})
+        return t.get("median_ms")
+
+    ddp_ms = median(many, "torch DDP")
+    plain_ms = median(one, "plain torch")
+    small_ms = many["small_all_reduce_ms"]
+    n_small = _small_calls(many["logical_step_collectives"])
+    floor_ms = ddp_ms + n_small * small_ms if ddp_ms else None
+    images = args.batch * args.world
+    rows, records = [], []
+    for name in many["timings"]:
+        ms = median(many, name)
+        rec = {
+            "method": name,
+            "world": args.world,
+            "step_ms": ms,
+            "images_per_s": images / ms * 1e3 if ms else None,
+            "vs_torch_ddp": ratio(ddp_ms, ms),
+            "vs_one_process": ratio(plain_ms * args.world, ms) if ms else None,
+            "error": many["timings"][name].get("error"),
+        }
+        if name == "global, logical BN":
+            rec["floor_ms"] = floor_ms
+            rec["vs_floor"] = ratio(ms, floor_ms)
+        records.append(rec)
+    for name in one["timings"]:
+        ms = median(one, name)
+        records.append(
+            {
+                "method": name,
+                "world": 1,
+                "step_ms": ms,
+                "images_per_s": args.batch / ms * 1e3 if ms else None,
+                "vs_plain_torch": ratio(plain_ms, ms),
+                "error": one["timings"][name].get("error"),
+            }
+        )
+    for r in records:
+        speed = r.get("vs_torch_ddp", r.get("vs_plain_torch"))
+        rows.append(
+            [
+                r["method"],
+                r["world"],
+                fmt(r["step_ms"], ".1f"),
+                fmt(r["images_per_s"], ".0f"),
+                fmt(speed),
+                fmt(r.get("vs_floor")),
+                r["error"] or "",
+            ]
+        )
+    header = ["method", "world", "step ms", "images/s", "speed vs anchor", "step / floor", "error"]
+    print()
+    print(table(rows, header))
+    print(
+        f"\nanchor: torch DDP in the world of {args.world}, plain torch in the world of 1; "
+        "speed = anchor step time / method step time (higher is faster)."
+    )
+    print(
+        f"logical BN floor = torch DDP step {fmt(ddp_ms, '.1f')} ms + {n_small} small "
+        f"collectives x {small_ms:.2f} ms = {fmt(floor_ms, '.1f')} ms"
+    )
+    print("collectives per step, logical BN:", many["logical_step_collectives"]["calls"])
+    print("collectives per step, per-shard BN:", many["shard_step_collectives"]["calls"])
+    print(
+        "per-shard global vs torch DDP, max relative parameter difference after the same "
+        f"steps (float32): {many['per_shard_vs_ddp_max_rel_param_diff']:.2e}"
+    )
+    payload = {
+        "benchmark": "data_parallel",
+        "config": cfg | {"world": args.world, "model": "mobilenet_v2(num_classes=10)"},
+        "machine": machine_info(),
+        "rows": records,
+        "small_all_reduce_ms": small_ms,
+        "small_collectives_per_logical_step": n_small,
+        "logical_step_collectives": many["logical_step_collectives"],
+        "shard_step_collectives": many["shard_step_collectives"],
+        "per_shard_vs_ddp_max_rel_param_diff": many["per_shard_vs_ddp_max_rel_param_diff"],
+        "raw": {"world_1": one, f"world_{args.world}": many},
+    }
+    name = "data-parallel-quick" if args.quick else "data-parallel"
+    for p in write_results(name, payload, args.out):
+        print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

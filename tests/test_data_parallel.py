@@ -1,0 +1,354 @@
+"""The data-parallel fast path and the overlapped gradient reducer (sbp.nn.fast_path).
+
+Each test trains or differentiates the same model three ways where it can: on local
+shards (the fast path), op by op (`sbp.nn.data_parallel(model, fast=False)`), and in
+one process on the logical batch; float64 so that 1e-12 separates semantics from
+rounding.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+S0, B = sbp.split(0), sbp.broadcast
+
+
+def _shard(t, P, nd):
+    """This rank's part of the logical tensor `t` laid out as `nd` on `P`."""
+    me = sbp.env.get_rank()
+    if me not in P:
+        return t[:0]
+    return t[sbp.local_slices(t.shape, P, nd, P.coord(me))]
+
+
+def _gather(model):
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def _rel(a, b):
+    a = torch.cat([t.flatten() for t in a])
+    b = torch.cat([t.flatten() for t in b])
+    return ((a - b).norm() / b.norm()).item()
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width=16, depth=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(8 if i == 0 else width, width) for i in range(depth)
+        )
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def _data(n=10, steps=3, shape=(8,), classes=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(n, *shape, generator=g, dtype=torch.float64),
+            torch.randint(0, classes, (n,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global"):
+    import sbp.nn
+
+    torch.manual_seed(0)
+    sbp.manual_seed(0)  # dropout masks: the same draws for every run in this process
+    model = make_model().double()
+    if placement is not None:
+        model.to_global(placement, (B,) * placement.ndim)
+        sbp.nn.data_parallel(model, fast=fast, batch_norm=batch_norm)
+    params = list(model.parameters())
+    optim = (
+        torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+        if opt == "sgd"
+        else torch.optim.AdamW(params, lr=1e-2)
+    )
+    losses, paths = [], []
+    for x, y in data:
+        if placement is not None:
+            x = sbp.to_global(_shard(x, placement, nd), placement, nd)
+            y = sbp.to_global(_shard(y, placement, nd), placement, nd)
+        loss = F.cross_entropy(model(x), y)
+        if placement is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        inside = placement is None or sbp.env.get_rank() in placement
+        losses.append(loss.item() if inside else None)
+    params = _gather(model) if placement is not None else [p.detach() for p in params]
+    buffers = [b.full_tensor() if placement else b for b in model.buffers()]
+    grad_sbps = {tuple(p.grad.sbp) for p in model.parameters()} if placement else None
+    return losses, params, buffers, paths, grad_sbps
+
+
+def _mobilenet():
+    import torchvision
+
+    return torchvision.models.mobilenet_v2(num_classes=4, dropout=0.2)
+
+
+def _fast_and_per_op(make_model, world, nd, data, **kw):
+    P = sbp.placement("cpu", list(range(world)))
+    fast = _train(make_model, P, nd, True, data, **kw)
+    per_op = _train(make_model, P, nd, False, data, **kw)
+    return fast, per_op
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mobilenet_fast_path_equals_per_op(pool4, world):
+    """Logical BatchNorm, dropout 0.2 (the same masks both ways), uneven shards on 4 ranks."""
+    data = _data(n=6, steps=2, shape=(3, 32, 32), classes=4)
+    fast, per_op = pool4.run(_fast_and_per_op, _mobilenet, world, S0, data, timeout=600)[0]
+    assert fast[3] == ["fast", "fast"] and per_op[3] == ["per-op", "per-op"]
+    for a, b in zip(fast[0], per_op[0], strict=True):
+        assert abs(a - b) <= 1e-12 * abs(b)
+    assert _rel(fast[1], per_op[1]) < 1e-12
+    assert _rel(fast[2], per_op[2]) < 1e-12  # running statistics
+    assert fast[4] == {(B,)}
+
+
+@pytest.mark.parametrize("nd", [(S0, S0), (S0, B)])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_mlp_on_2x2_equals_one_process(pool4, nd, opt):
+    data = _data()
+
+    def run(nd, opt):
+        P = sbp.placement("cpu", [[0, 1], [2, 3]])
+        fast = _train(MLP, P, nd, True, data, opt=opt)
+        per_op = _train(MLP, P, nd, False, data, opt=opt)
+        return fast, per_op
+
+    fast, per_op = pool4.run(run, nd, opt)[0]
+    ref = _train(MLP, None, None, None, data, opt=opt)
+    assert fast[3] == ["fast"] * 3
+    for got in (fast, per_op):
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12
+        assert got[4] == {(B, B)}
+
+
+def test_world_of_one():
+    """In this (test) process: no launcher variables, so a world of one with no process group."""
+    data = _data()
+    got = _train(MLP, sbp.placement("cpu", [0]), S0, True, data)
+    ref = _train(MLP, None, None, None, data)
+    assert got[3] == ["fast"] * 3
+    assert _rel(got[1], ref[1]) < 1e-12
+
+
+class MixesSamples(torch.nn.Module):
+    """Not batch-separable: centres the features over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0, keepdim=True))
+
+
+def test_declines_a_module_that_mixes_samples(pool2):
+    data = _data(steps=2)
+
+    def run():
+        with pytest.warns(UserWarning, match="runs op by op"):
+            return _train(MixesSamples, sbp.placement("cpu", [0, 1]), S0, True, data)
+
+    got = pool2.run(run)[0]
+    ref = _train(MixesSamples, None, None, None, data)
+    assert got[3] == ["per-op", "per-op"]
+    assert _rel(got[1], ref[1]) < 1e-12
+
+
+def test_declines_a_tensor_parallel_weight(pool2):
+    data = _data(steps=2)
+
+    def run():
+        import sbp.nn
+
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = MLP().double().to_global(P, B)
+        w = model.layers[1].weight
+        model.layers[1].weight = torch.nn.Parameter(w.detach().to_global(sbp=sbp.split(0)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        paths = []
+        for x, y in data:
+            loss = F.cross_entropy(
+                model(sbp.to_global(_shard(x, P, S0), P, S0)),
+                sbp.to_global(_shard(y, P, S0), P, S0),
+            )
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return paths, _gather(model), tuple(model.layers[1].weight.grad.sbp)
+
+    paths, params, grad_sbp = pool2.run(run)[0]
+    torch.manual_seed(0)
+    ref = _train(MLP, None, None, None, data[:2])
+    assert paths == ["per-op", "per-op"]
+    assert grad_sbp == (sbp.split(0),)
+    assert _rel(params, ref[1]) < 1e-12
+
+
+def test_buckets_run_during_backward(pool2):
+    """With one parameter per bucket, a bucket starts before the last gradient is ready."""
+    x, y = _data(steps=1)[0]
+
+    def run():
+        import sbp.nn
+
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = MLP(width=64, depth=6).double().to_global(P, B)
+        sbp.nn.data_parallel(model, bucket_mb=64 * 64 * 8 / 2**20)
+        state = sbp.nn.fast_path.state(model)
+        state.trace = []
+        loss = F.cross_entropy(
+            model(sbp.to_global(_shard(x, P, S0), P, S0)), sbp.to_global(_shard(y, P, S0), P, S0)
+        )
+        loss.backward()
+        return state.trace, [p.grad.full_tensor() for p in model.parameters()]
+
+    trace, grads = pool2.run(run)[0]
+    torch.manual_seed(0)
+    model = MLP(width=64, depth=6).double()
+    F.cross_entropy(model(x), y).backward()
+    ref = [p.grad for p in model.parameters()]
+    assert _rel(grads, ref) < 1e-12
+    last_ready = max(i for i, e in enumerate(trace) if e[0] == "ready")
+    first_launch = min(i for i, e in enumerate(trace) if e[0] == "launch")
+    assert first_launch < last_ready
+    launches = [e[1] for e in trace if e[0] == "launch"]
+    assert launches == sorted(launches) and len(launches) > 4  # in bucket order on every rank
+
+
+def test_no_sync_accumulates_micro_batches(pool2):
+    data = _data(steps=3)
+
+    def run():
+        import sbp.nn
+
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = MLP().double().to_global(P, B)
+        inside = []
+        for i, (x, y) in enumerate(data):
+            loss = F.cross_entropy(
+                model(sbp.to_global(_shard(x, P, S0), P, S0)),
+                sbp.to_global(_shard(y, P, S0), P, S0),
+            )
+            if i < 2:
+                with sbp.nn.no_sync(model):
+                    loss.backward()
+                inside.append({tuple(p.grad.sbp) for p in model.parameters()})
+            else:
+                loss.backward()
+        return inside, [p.grad.full_tensor() for p in model.parameters()]
+
+    inside, grads = pool2.run(run)[0]
+    torch.manual_seed(0)
+    model = MLP().double()
+    for x, y in data:
+        F.cross_entropy(model(x), y).backward()
+    assert inside == [{(sbp.partial_sum,)}] * 2
+    assert _rel(grads, [p.grad for p in model.parameters()]) < 1e-12
+
+
+class Branches(torch.nn.Module):
+    """`unused` takes part in no forward; `aux` is returned broadcast, from parameters alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+        self.unused = torch.nn.Linear(8, 3)
+        self.scale = torch.nn.Parameter(torch.tensor([0.5, 2.0, 1.5]))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale, (self.scale**2).sum()
+
+
+def test_unused_parameters_broadcast_outputs_and_input_grads(pool2):
+    x, y = _data(steps=1)[0]
+
+    def run():
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = Branches().double().to_global(P, B)
+        xg = sbp.to_global(_shard(x, P, S0), P, S0).requires_grad_()
+        out, aux = model(xg)
+        loss = F.cross_entropy(out, sbp.to_global(_shard(y, P, S0), P, S0)) + aux
+        loss.backward()
+        path = sbp.nn.fast_path.state(model).last_path
+        grads = {
+            n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()
+        }
+        return path, grads, xg.grad.full_tensor(), tuple(aux.sbp)
+
+    path, grads, xgrad, aux_sbp = pool2.run(run)[0]
+    torch.manual_seed(0)
+    model = Branches().double()
+    xr = x.clone().requires_grad_()
+    out, aux = model(xr)
+    (F.cross_entropy(out, y) + aux).backward()
+    assert path == "fast" and aux_sbp == (B,)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert grads[name] is None, name
+        else:
+            assert torch.allclose(grads[name], p.grad, rtol=1e-12, atol=1e-14), name
+    assert grads["unused.weight"] is None
+    assert torch.allclose(xgrad, xr.grad, rtol=1e-12, atol=1e-14)
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6)
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_per_shard_batch_norm_equals_torch_ddp(pool2):
+    data = _data(n=8, steps=3, shape=(3, 8, 8), classes=4)
+
+    def run():
+        import torch.distributed as dist
+
+        P = sbp.placement("cpu", [0, 1])
+        got = _train(ConvBN, P, S0, True, data, batch_norm="local")
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(ConvBN().double())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        for x, y in data:
+            loss = F.cross_entropy(ddp(_shard(x, P, S0)), _shard(y, P, S0))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        buffers = [b.clone() for b in ddp.module.buffers()]
+        for b in buffers:
+            dist.broadcast(b, 0)  # torch DDP's buffers are rank 0's (it broadcasts them)
+        return got, [p.detach() for p in ddp.module.parameters()], buffers
+
+    got, ddp_params, ddp_buffers = pool2.run(run)[0]
+    assert got[3] == ["fast"] * 3
+    assert _rel(got[1], ddp_params) < 1e-12
+    for a, b in zip(got[2], ddp_buffers, strict=True):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
