@@ -1,8 +1,9 @@
 """The raw boxing kernels without a GPU: every kernel compiles with NVRTC for two
 architectures, and the same source built for the CPU (g++ and host_shim.h, every thread of
 the grid run in turn) gives exactly what the torch implementation gives, over shapes, split
-axes, uneven sizes, padding, rank counts, dtypes, alignments and launch shapes. Then the
-executor on 2 ranks with the kernels in place of torch, against the logical tensors."""
+axes, uneven sizes, padding, rank counts, dtypes, alignments and launch shapes. On a GPU the same comparisons run through CuPy (skipped
+without one). Then the executor on 2 ranks with the kernels in place of torch, against the
+logical tensors."""
 
 from __future__ import annotations
 
@@ -29,24 +30,6 @@ def _nvrtc():
     return pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
 
 
-def _headers() -> list[bytes]:
-    """Include flags for cuda_fp16.h / cuda_bf16.h, found the way the CuPy launcher finds
-    them (that module needs CuPy, so the search is repeated here)."""
-    import os
-    from pathlib import Path
-
-    dirs = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-
-        dirs.append(find_nvidia_header_directory("cudart"))
-    except Exception:  # noqa: BLE001
-        pass
-    dirs += [os.path.join(os.environ.get(v, ""), "include") for v in ("CUDA_PATH", "CUDA_HOME")]
-    dirs.append("/usr/local/cuda/include")
-    return [f"-I{d}".encode() for d in dirs if d and Path(d, "cuda_bf16.h").exists()]
-
-
 def _compile_ptx(nvrtc, code: str, arch: int) -> str:
     def ok(result):
         assert result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, result[0]
@@ -54,7 +37,11 @@ def _compile_ptx(nvrtc, code: str, arch: int) -> str:
 
     (prog,) = ok(nvrtc.nvrtcCreateProgram(code.encode(), b"boxing.cu", 0, [], []))
     try:
-        opts = [f"--gpu-architecture=compute_{arch}".encode(), b"--std=c++17", *_headers()]
+        opts = [
+            f"--gpu-architecture=compute_{arch}".encode(),
+            b"--std=c++17",
+            *(f"-I{d}".encode() for d in raw.include_dirs()),
+        ]
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         (size,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
         log = b" " * size
@@ -90,14 +77,41 @@ def test_each_module_compiles_alone():
 # ---------------------------------------------------------------- the same source on the CPU
 
 
+class Backend:
+    """Where the kernels run: `host` (g++ build, every CI machine) or `cuda` (CuPy on a GPU,
+    skipped without one). Both are compared with the torch implementation."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "host":
+            from sbp.kernels import host_launcher
+
+            if host_launcher.compiler() is None:
+                pytest.skip("no C++ compiler")
+            host_launcher.library()  # build (or load) once, outside hypothesis' timing
+            self.device = torch.device("cpu")
+            self._make = host_launcher.HostLauncher
+        else:
+            if not torch.cuda.is_available():
+                pytest.skip("no GPU")
+            cupy_launcher = pytest.importorskip("sbp.kernels.cupy_launcher")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self._cuda = cupy_launcher.CupyLauncher()
+            self._make = lambda threads, blocks: self._cuda
+
+    def launcher(self, threads: int = 32, blocks: int = 4):
+        """A launcher; the host one runs `threads` x `blocks` (the GPU one picks its own)."""
+        return self._make(threads, blocks)
+
+
+@pytest.fixture(scope="module", params=["host", "cuda"])
+def backend(request):
+    return Backend(request.param)
+
+
 @pytest.fixture(scope="module")
 def host():
-    from sbp.kernels import host_launcher
-
-    if host_launcher.compiler() is None:
-        pytest.skip("no C++ compiler")
-    host_launcher.library()  # build (or load) once, outside hypothesis' timing
-    return host_launcher
+    return Backend("host")
 
 
 def _values(shape, dtype, seed, specials=False):
@@ -116,10 +130,10 @@ def _values(shape, dtype, seed, specials=False):
     return x
 
 
-def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
-    """`t`'s values in a contiguous tensor that starts `offset` elements into its storage
-    (so its address is aligned to less than 16 bytes and the kernels use narrower words)."""
-    buf = torch.empty(offset + t.numel(), dtype=t.dtype)
+def _at_offset(t: torch.Tensor, offset: int, device=None) -> torch.Tensor:
+    """`t`'s values in a contiguous tensor on `device` that starts `offset` elements into its
+    storage (so its address is aligned to less than 16 bytes: the kernels use narrower words)."""
+    buf = torch.empty(offset + t.numel(), dtype=t.dtype, device=device)
     out = buf[offset:].view(t.shape)
     out.copy_(t)
     return out
@@ -148,12 +162,12 @@ launches = st.tuples(st.sampled_from([1, 3, 32]), st.sampled_from([1, 2, 5]))
     launches,
     st.integers(0, 2**16),
 )
-def test_pack_matches_torch(host, split, dtype, pad_extra, offset, launch, seed):
+def test_pack_matches_torch(backend, split, dtype, pad_extra, offset, launch, seed):
     shape, dim, sizes = split
     pad_to = None if pad_extra is None else max(sizes) + pad_extra
-    x = _at_offset(_values(shape, dtype, seed), offset)
+    x = _at_offset(_values(shape, dtype, seed), offset, backend.device)
     expected = reference.pack_chunks(x, dim, sizes, pad_to).clone()
-    got = raw.pack_chunks(host.HostLauncher(*launch), x, dim, sizes, pad_to)
+    got = raw.pack_chunks(backend.launcher(*launch), x, dim, sizes, pad_to)
     assert got is not None and got.shape == expected.shape
     rest = reference.elements_per_index(shape, dim)
     rows = [pad_to if pad_to is not None else s for s in sizes]
@@ -171,17 +185,17 @@ def test_pack_matches_torch(host, split, dtype, pad_extra, offset, launch, seed)
     launches,
     st.integers(0, 2**16),
 )
-def test_unpack_matches_torch(host, split, dtype, pad_extra, offset, launch, seed):
+def test_unpack_matches_torch(backend, split, dtype, pad_extra, offset, launch, seed):
     shape, dim, sizes = split
     chunk_shapes = [shape[:dim] + (s,) + shape[dim + 1 :] for s in sizes]
     rest = reference.elements_per_index(shape, dim)
     stride = None if pad_extra is None else (max(sizes) + pad_extra) * rest
     total = len(sizes) * stride if stride is not None else math.prod(shape)
-    buf = _at_offset(_values((total,), dtype, seed), offset)
-    fill = _values(shape, dtype, seed + 1)  # places no chunk covers keep these
+    buf = _at_offset(_values((total,), dtype, seed), offset, backend.device)
+    fill = _values(shape, dtype, seed + 1).to(backend.device)  # where no chunk goes
     expected = reference.unpack_chunks(buf, chunk_shapes, dim, fill.clone(), stride)
-    out = _at_offset(fill, offset)
-    got = raw.unpack_chunks(host.HostLauncher(*launch), buf, chunk_shapes, dim, out, stride)
+    out = _at_offset(fill, offset, backend.device)
+    got = raw.unpack_chunks(backend.launcher(*launch), buf, chunk_shapes, dim, out, stride)
     assert got is out
     assert torch.equal(got, expected)
 
@@ -203,23 +217,24 @@ def _expected_reduce(chunks, op):
     launches,
     st.integers(0, 2**16),
 )
-def test_reduce_matches_torch(host, k, n, gap, dtype, op, offset, launch, seed):
+def test_reduce_matches_torch(backend, k, n, gap, dtype, op, offset, launch, seed):
     chunk = n + gap  # chunks lie `chunk` elements apart in one buffer, as received
-    buf = _at_offset(_values((k * chunk,), dtype, seed, specials=True), offset)
+    values = _values((k * chunk,), dtype, seed, specials=True)
+    buf = _at_offset(values, offset, backend.device)
     chunks = [buf[i * chunk : i * chunk + n] for i in range(k)]
-    got = raw.reduce_chunks(host.HostLauncher(*launch), chunks, op)
+    got = raw.reduce_chunks(backend.launcher(*launch), chunks, op)
     assert got is not None
     torch.testing.assert_close(got, _expected_reduce(chunks, op), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("op", ["max", "min"])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_reduce_propagates_nan_like_torch(host, op, dtype):
+def test_reduce_propagates_nan_like_torch(backend, op, dtype):
     nan, inf = float("nan"), float("inf")
-    a = torch.tensor([nan, 1.0, nan, -inf, 2.0, 0.0, nan, 5.0], dtype=dtype)
-    b = torch.tensor([1.0, nan, nan, inf, -2.0, nan, 3.0, 5.0], dtype=dtype)
+    a = torch.tensor([nan, 1.0, nan, -inf, 2.0, 0.0, nan, 5.0], dtype=dtype, device=backend.device)
+    b = torch.tensor([1.0, nan, nan, inf, -2.0, nan, 3.0, 5.0], dtype=dtype, device=backend.device)
     buf = torch.cat([a, b])  # 8 elements: the 16-byte kernels too for 2-byte types
-    got = raw.reduce_chunks(host.HostLauncher(), [buf[:8], buf[8:]], op)
+    got = raw.reduce_chunks(backend.launcher(), [buf[:8], buf[8:]], op)
     want = (torch.maximum if op == "max" else torch.minimum)(a, b)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert got.isnan().tolist() == [True, True, True, False, False, True, True, False]
@@ -234,7 +249,7 @@ def test_word_width_follows_alignment_of_every_offset():
 
 
 def test_cases_outside_the_kernels_fall_back(host):
-    L = host.HostLauncher()
+    L = host.launcher()
     x = torch.arange(24.0).view(4, 6)
     assert raw.pack_chunks(L, x.t(), 0, [3, 3]) is None  # strided input
     odd = torch.arange(20.0)
@@ -317,7 +332,7 @@ def _boxing_on_host_kernels(cases):
         kernels.launcher_for = original
 
 
-def test_executor_boxing_runs_on_the_kernels(pool2, host):
+def test_executor_boxing_runs_on_the_kernels(pool2, host):  # host: the build is cached
     S, Psum, Pmax = sbp.split, sbp.partial_sum, sbp.partial_max
     cases = [
         ((5, 7), S(0), sbp.broadcast, torch.float32),

@@ -8,11 +8,8 @@ with the torch work around it and nothing waits on the host.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import cache
-from pathlib import Path
 
 import cupy
 import numpy
@@ -23,25 +20,8 @@ from sbp.kernels import raw
 TABLE_CACHE = 1024  # chunk tables kept on the device (plans repeat, so tables do too)
 
 
-@cache
-def include_dirs() -> tuple[str, ...]:
-    """Directories holding cuda_fp16.h / cuda_bf16.h for NVRTC."""
-    found = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-
-        found.append(find_nvidia_header_directory("cudart"))
-    except Exception:  # noqa: BLE001 - any failure just means: look elsewhere
-        pass
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            found.append(os.path.join(os.environ[var], "include"))
-    found.append("/usr/local/cuda/include")
-    return tuple(d for d in dict.fromkeys(found) if d and Path(d, "cuda_bf16.h").exists())
-
-
 def compile_options() -> tuple[str, ...]:
-    return ("--std=c++17", *(f"-I{d}" for d in include_dirs()))
+    return ("--std=c++17", *(f"-I{d}" for d in raw.include_dirs()))
 
 
 def _cupy_stream(stream: torch.cuda.Stream):

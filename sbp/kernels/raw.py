@@ -11,6 +11,7 @@ uses the torch implementation, which handles every case.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -43,6 +44,24 @@ DTYPES = {
 }
 OPS = ("sum", "max", "min")
 MAX_CHUNKS = 65535  # gridDim.y picks the chunk
+
+
+@cache
+def include_dirs() -> tuple[str, ...]:
+    """The directory holding cuda_fp16.h / cuda_bf16.h, for NVRTC (empty if none)."""
+    found = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found.append(find_nvidia_header_directory("cudart"))
+    except Exception:  # noqa: BLE001 - any failure just means: look elsewhere
+        pass
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            found.append(os.path.join(os.environ[var], "include"))
+    found.append("/usr/local/cuda/include")
+    usable = [d for d in found if d and Path(d, "cuda_bf16.h").exists()]
+    return tuple(usable[:1])  # one toolkit's headers, never a mix of versions
 
 
 @cache
