@@ -40,6 +40,7 @@ SBP_DEVICE void move_chunks(const Word* __restrict__ src, Word* __restrict__ dst
   i64 u = (j / len) * row + col + c;  // index of word j in the unpacked tensor
   const i64 step_c = stride % len;
   const i64 step_u = (stride / len) * row + step_c;
+#pragma unroll 4  // lets several loads be in flight per thread
   for (; j < total; j += stride) {
     if (kPack) {
       dst[base + j] = src[u];
@@ -135,6 +136,7 @@ SBP_DEVICE void reduce_chunks(const T* __restrict__ in, T* __restrict__ out, i64
     VT x = vin[i];
     Acc acc[V];
     for (int e = 0; e < V; ++e) acc[e] = Arith<T>::load(x.v[e]);
+#pragma unroll 4
     for (i64 c = 1; c < k; ++c) {
       x = vin[c * chunk + i];
       for (int e = 0; e < V; ++e) acc[e] = Op::apply(acc[e], Arith<T>::load(x.v[e]));
