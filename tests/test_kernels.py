@@ -58,6 +58,9 @@ def _compile_ptx(nvrtc, code: str, arch: int) -> str:
 @pytest.mark.parametrize("arch", [80, 90])
 def test_every_kernel_compiles_with_nvrtc(arch):
     nvrtc = _nvrtc()
+    assert raw.include_dirs(), (
+        "cuda_fp16.h / cuda_bf16.h not found (CUDA_PATH or nvidia pip headers)"
+    )
     ptx = _compile_ptx(nvrtc, raw.source(raw.all_instances()), arch)
     names = raw.kernel_names()
     assert len(names) == 2 * len(raw.WORDS) + 6 * len(raw.DTYPES)

@@ -62,6 +62,9 @@ def library() -> ctypes.CDLL:
                 capture_output=True,
             )
             os.replace(tmp, path)  # atomic: parallel builders never load a partial file
+            for old in path.parent.glob("boxing-host-*.so"):  # builds of older sources
+                if old != path:
+                    old.unlink(missing_ok=True)
         except subprocess.CalledProcessError as e:
             raise RuntimeError(f"building the host kernels failed:\n{e.stderr}") from e
         finally:
