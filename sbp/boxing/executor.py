@@ -3,7 +3,8 @@
 Every rank of the source and target placements calls `execute` with the same
 plan (SPMD); ranks outside a step's placement skip it. Each rank derives what
 it sends and receives from the pure plan, so ranks never negotiate sizes. Packing,
-unpacking and reducing go through `sbp.kernels`. The input is never modified.
+unpacking and reducing go through `sbp.kernels`, which picks raw CUDA kernels for CUDA
+tensors and torch ops otherwise (`sbp.kernels.launcher_for`). The input is never modified.
 """
 
 from __future__ import annotations

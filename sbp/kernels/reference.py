@@ -21,9 +21,7 @@ def pack_chunks(
     already laid out so (split along dim 0 of a contiguous tensor, no padding).
     """
     rest = elements_per_index(x.shape, dim)
-    whole = len(sizes) == 1 and pad_to in (None, sizes[0])
-    leading = all(s == 1 for s in x.shape[:dim])
-    if x.is_contiguous() and (whole or (leading and pad_to is None)):
+    if pack_is_view(x, dim, sizes, pad_to):
         return x.reshape(-1)
     rows = [pad_to if pad_to is not None else s for s in sizes]
     out = staging(sum(rows) * rest, x.dtype, x.device, "send")
@@ -34,6 +32,15 @@ def pack_chunks(
         offset += row * rest
         start += size
     return out
+
+
+def pack_is_view(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], pad_to: int | None = None
+) -> bool:
+    """Whether `x` is already laid out as its packed chunks (packing is then a view)."""
+    whole = len(sizes) == 1 and pad_to in (None, sizes[0])
+    leading = all(s == 1 for s in x.shape[:dim])
+    return x.is_contiguous() and (whole or (leading and pad_to is None))
 
 
 STAGING_LIMIT = 2**30

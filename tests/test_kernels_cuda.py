@@ -1,0 +1,177 @@
+"""The CUDA path end to end (skipped without a GPU).
+
+A world of 1 on `sbp.placement("cuda", [0])`: boxing, op rules and a few training steps of
+mobilenet_v2, each against plain torch on the same GPU. Then 2 processes sharing one GPU
+over gloo (both ranks use cuda:0, as two one-GPU nodes would), so multi-rank CUDA boxing
+runs its collectives and the raw kernels for real; every result is compared with the
+logical tensor, with the kernels and with SBP_KERNELS=torch. NCCL needs one GPU per rank,
+so its multi-rank path cannot run on one GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
+
+
+def _placement():
+    return sbp.placement("cuda", [0])
+
+
+def test_kernels_are_chosen_for_cuda_tensors():
+    pytest.importorskip("cupy")
+    from sbp.kernels.cupy_launcher import CupyLauncher
+
+    assert isinstance(sbp.kernels.launcher_for(torch.device("cuda", 0)), CupyLauncher)
+    assert sbp.kernels.launcher_for(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("src", [S0, S1, B, sbp.partial_sum])
+@pytest.mark.parametrize("dst", [S0, S1, B])
+def test_boxing_on_one_gpu(src, dst):
+    P = _placement()
+    value = torch.randn(6, 5, dtype=torch.float64, device="cuda")
+    g = sbp.to_global(value, P, src)
+    h = g.to_global(P, dst)
+    assert h.to_local().device.type == "cuda"
+    assert torch.equal(h.full_tensor(), value)
+
+
+def test_op_rules_on_one_gpu():
+    P = _placement()
+    a = torch.randn(6, 4, dtype=torch.float64, device="cuda")
+    b = torch.randn(4, 3, dtype=torch.float64, device="cuda")
+    ga, gb = sbp.to_global(a, P, S0), sbp.to_global(b, P, B)
+    out = torch.softmax(ga @ gb, dim=1).sum(0) + 1
+    want = torch.softmax(a @ b, dim=1).sum(0) + 1
+    assert out.to_local().device.type == "cuda"
+    torch.testing.assert_close(out.full_tensor(), want)
+
+
+def test_training_steps_on_one_gpu():
+    torchvision = pytest.importorskip("torchvision")
+    P = _placement()
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0).double().cuda()
+    ref = copy.deepcopy(model)
+    gmodel = model.to_global(P, B)
+    opt = torch.optim.SGD(gmodel.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(6, 3, 32, 32, generator=g, dtype=torch.float64).cuda()
+        y = torch.randint(0, 10, (6,), generator=g).cuda()
+        loss = F.cross_entropy(gmodel(sbp.to_global(x, P, S0)), sbp.to_global(y, P, S0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss)
+    for p, q in zip(gmodel.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q)
+
+
+# ---------------------------------------------------------------- two ranks on one GPU
+
+
+CASES = [
+    ((7, 5), S0, B, torch.float32),
+    ((7, 5), S1, B, torch.float64),  # pack and unpack along the inner axis
+    ((7, 5, 3), S1, S0, torch.float32),
+    ((7, 5, 3), S0, sbp.split(2), torch.int64),
+    ((6, 5), sbp.partial_sum, S1, torch.float32),  # all-to-all + reduce kernel
+    ((6, 5), sbp.partial_max, S0, torch.int32),
+    ((6, 9), sbp.partial_sum, S1, torch.bfloat16),
+    ((6, 5), sbp.partial_sum, B, torch.float64),
+]
+
+
+def _boxing_two_ranks(cases, device="cuda"):
+    me = sbp.env.get_rank()
+    P = sbp.placement(device, [0, 1])
+    launcher = type(sbp.kernels.launcher_for(torch.device(device, 0))).__name__
+    ok = []
+    for i, (shape, src, dst, dtype) in enumerate(cases):
+        g = torch.Generator().manual_seed(i)
+        value = torch.randint(-50, 50, shape, generator=g).to(dtype).to(device)
+        if src.is_partial:  # rank 0 holds the value, rank 1 the op's identity
+            fill = sbp.kernels.fill_value(dtype, src.op)
+            local = value if me == 0 else torch.full(shape, fill, dtype=dtype, device=device)
+        else:
+            local = value[sbp.local_slices(shape, P, src, P.coord(me))].contiguous()
+        x = sbp.to_global(local, P, src, shape=shape, check_meta=False, sync_data=False)
+        ok.append(torch.equal(x.to_global(P, dst).full_tensor(), value))
+    return launcher, ok
+
+
+def _rank_main(rank: int, port: int, kernels: str, queue, device: str = "cuda") -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",  # both ranks on cuda:0
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        SBP_KERNELS=kernels,
+    )
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        sbp.env.init()
+        queue.put((rank, "ok", _boxing_two_ranks(CASES, device)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "err", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_two_ranks_share_one_gpu_over_gloo(kernels):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, kernels, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        replies = {r: (kind, data) for r, kind, data in [queue.get(timeout=300) for _ in procs]}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, (kind, data) in sorted(replies.items()):
+        assert kind == "ok", f"rank {rank} failed:\n{data}"
+        launcher, ok = data
+        assert ok == [True] * len(CASES), f"rank {rank}: {ok}"
+        if kernels == "torch":
+            assert launcher == "NoneType"
+        elif importlib.util.find_spec("cupy") is not None:
+            assert launcher == "CupyLauncher"
