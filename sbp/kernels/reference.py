@@ -36,7 +36,7 @@ def pack_chunks(
     return out
 
 
-STAGING_LIMIT = 2**30
+STAGING_LIMIT = 64 * 2**20  # bytes: larger buffers are not kept (a 256 MiB conversion kept 366 MiB)
 _staging: dict = {}
 
 
@@ -46,6 +46,8 @@ def staging(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> 
     Fresh CPU blocks of 32 MiB or more are mapped anew by glibc and fault on every first
     touch (about 25 ms per 32 MiB here, against 1.4 ms to refill a warm one); boxing
     stages through a few buffers per call, so reusing them is most of the cost at size.
+    Buffers above `STAGING_LIMIT` are made per call and not kept, so memory does not stay
+    at a peak; `sbp.boxing.empty_cache()` frees the kept ones.
     """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes > STAGING_LIMIT:

@@ -194,12 +194,18 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             gpos.append(i)
             key.append(spec)
         elif isinstance(a, torch.Tensor):
-            if a.dim() > 0 or a.requires_grad:
-                if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()):
-                    raise PlacementError(
-                        f"{func}: mixes global tensors with a local torch.Tensor of shape "
-                        f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
-                    )
+            # A 0-dim local tensor too: its value may differ per rank (rank 0 holds 2.0,
+            # rank 1 3.0), so taking it as broadcast would give silently different results.
+            # Python scalars are the values every rank is trusted to agree on, and so are
+            # the 0-dim constants of torch's backward formulas (zeros in clamp's, say).
+            if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
+                a.dim() == 0 and not a.requires_grad and torch._C._current_graph_task_id() >= 0
+            ):
+                raise PlacementError(
+                    f"{func}: mixes global tensors with a local torch.Tensor of shape "
+                    f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp)), "
+                    "or pass a Python number (t.item()) for a 0-dim constant"
+                )
             key.append(("t", tuple(a.shape), a.dtype))
         elif type(a) is float:
             key.append(float)
@@ -228,6 +234,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     flat, tree = flatten(args, kwargs)
     key, gpos = scan(func, flat)
     d = _cache.get(key)
+    if d is not None:
+        _cache.move_to_end(key)  # least recently used goes first
     if d is not None and d.direct is not None:
         # Cached and nothing to move: run the aten kernel on the locals (func._op skips
         # OpOverload.__call__) and wrap; ~6 us less per op than the general path.
@@ -333,7 +341,7 @@ def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision
         d = _decide(rule, func, args, kwargs, specs)
         _cache[key] = d
         if len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
+            _cache.popitem(last=False)  # the least recently used (hits move to the end)
     return d
 
 
