@@ -22,7 +22,7 @@ from sbp.comm.meta import exchange
 
 MODE = "first"
 MAX_SEEN = 4096
-_seen: set = set()
+_seen: dict[tuple[int, ...], set] = {}
 
 
 def world() -> tuple[int, ...]:
@@ -39,22 +39,30 @@ def raise_everywhere(error: BaseException, what: str = "to_global") -> None:
 
 
 def check_rebox(src: object, dst: object, requires_grad: bool) -> None:
-    """Every rank re-boxes the same (src -> dst) with the same `requires_grad` (see MODE)."""
-    if MODE == "never" or env.get_world_size() == 1 or env.get_rank() not in _ranks(src, dst):
+    """Every rank re-boxes the same (src -> dst) with the same `requires_grad` (see MODE).
+
+    What was seen is kept per rank set: every member of a set meets the same conversions in
+    the same order (SPMD), so all of them check, or forget, the same ones.
+    """
+    if MODE == "never" or env.get_world_size() == 1:
+        return
+    ranks = _ranks(src, dst)
+    if env.get_rank() not in ranks:
         return
     key = (src, dst, requires_grad)
+    seen = _seen.setdefault(ranks, set())
     if MODE == "first":
-        if key in _seen:
+        if key in seen:
             return
-        if len(_seen) >= MAX_SEEN:
-            _seen.clear()
+        if len(seen) >= MAX_SEEN:
+            seen.clear()
     with stats.paused():  # a check, not a collective of the conversion
         exchange(
             {"from": repr(src), "to": repr(dst), "requires_grad": requires_grad},
-            _ranks(src, dst),
+            ranks,
             what="a re-box (to_global)",
         )
-    _seen.add(key)
+    seen.add(key)
 
 
 def _ranks(src, dst) -> tuple[int, ...]:
