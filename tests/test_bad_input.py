@@ -360,6 +360,8 @@ def test_soak_1000_conversions_over_60_rank_orders(pool4):
         _conversions_over_orders, orders, 1000, timeout=600
     ):
         fds, threads, rss = (a - b for a, b in zip(after, before, strict=True))
+        print(f"groups {n_groups}, fds {before[0]}->{after[0]}, threads {before[1]}->{after[1]}")
+        print(f"max RSS {before[2] // 1024}->{after[2] // 1024} MiB")
         assert n_groups <= n_sets + 1
         assert fds <= 4 * n_sets
         assert threads <= 4 * n_sets

@@ -60,7 +60,12 @@ def staging(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> 
 
 
 def empty_cache() -> None:
-    """Free the staging buffers."""
+    """Free the staging buffers boxing keeps between calls (`sbp.boxing.empty_cache()`).
+
+    Boxing keeps one send and one receive buffer per dtype and device, each at most
+    `STAGING_LIMIT` bytes (64 MiB), so after large conversions up to that much stays
+    allocated per rank; call this to give it back (e.g. before evaluation or a checkpoint).
+    """
     _staging.clear()
 
 

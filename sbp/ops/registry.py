@@ -172,6 +172,17 @@ def _global_type():
 LOCAL_INDEX_OPS: set = set()
 
 
+# Ops whose 0-dim local tensors are state every rank keeps equal (the step counts of a
+# fused optimizer), not data to be placed.
+LOCAL_STATE_OPS: set = set()
+
+
+def _trusted_constant(func) -> bool:
+    """May a 0-dim local tensor join global ones in `func`? In torch's backward formulas
+    (0-dim zeros in clamp's, say) and in LOCAL_STATE_OPS."""
+    return torch._C._current_graph_task_id() >= 0 or func.overloadpacket in LOCAL_STATE_OPS
+
+
 def scan(func, flat: list) -> tuple[tuple, list[int]]:
     """One pass over the arguments: check placements, find the global tensors, and build the
     decision-cache key (everything but floats and tensor values, so per-step scalars such as
@@ -199,7 +210,7 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             # Python scalars are the values every rank is trusted to agree on, and so are
             # the 0-dim constants of torch's backward formulas (zeros in clamp's, say).
             if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
-                a.dim() == 0 and not a.requires_grad and torch._C._current_graph_task_id() >= 0
+                a.dim() == 0 and not a.requires_grad and _trusted_constant(func)
             ):
                 raise PlacementError(
                     f"{func}: mixes global tensors with a local torch.Tensor of shape "
