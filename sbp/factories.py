@@ -3,7 +3,9 @@
 Every rank draws the whole logical tensor from torch's own generator, then keeps
 its part, so after `sbp.manual_seed(s)` the value is what one process would draw
 after `torch.manual_seed(s)`; ranks outside the placement draw too, to keep the
-generators of all ranks in step.
+generators of all ranks in step. That is trusted, not checked: ranks seeded
+differently get different "broadcast" values. `sbp.tensor(data)` does check (a hash of
+`data`, one small all-gather), since its data comes from the caller.
 """
 
 from __future__ import annotations

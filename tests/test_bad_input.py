@@ -41,6 +41,7 @@ def _expect_error(pool, case, error, *args, match=""):
         assert kind == error.__name__, f"rank {rank}: {kind} {message}"
         assert match in message, f"rank {rank}: {message}"
         assert seconds < 2 * TIMEOUT, f"rank {rank} took {seconds:.2f} s"
+    print(f"{case.__name__}: {error.__name__} in", [f"{r[-1]:.3f}" for r in results], "s")
     fast = [seconds < FAST for *_, seconds in results]
     assert sum(fast) >= len(results) / 2, [r[-1] for r in results]
     return results

@@ -24,8 +24,8 @@ def local_device(placement_type: str) -> torch.device:
             from sbp.errors import DeviceMismatchError
 
             raise DeviceMismatchError(
-                "placement type 'cuda' but this process sees no GPU (torch.cuda.is_available() "
-                "is False); use sbp.placement('cpu', ...)"
+                "the placement type is 'cuda' but this process sees no GPU "
+                "(torch.cuda.is_available() is False); use sbp.placement('cpu', ...)"
             )
         return torch.device("cuda", env.get_local_rank())
     return torch.device("cpu")
