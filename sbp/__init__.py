@@ -5,6 +5,7 @@ from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
     DeviceMismatchError,
+    InputTypeError,
     MetaMismatchError,
     PlacementError,
     SbpError,
@@ -52,6 +53,7 @@ __all__ = [
     "CommTimeoutError",
     "GlobalTensor",
     "DeviceMismatchError",
+    "InputTypeError",
     "MetaMismatchError",
     "PlacementError",
     "SbpError",

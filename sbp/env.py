@@ -8,16 +8,22 @@ unchanged.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import os
 import re
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
 from sbp.errors import SbpError
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# torch's default is 30 minutes: a script with a bug on one rank would hang that long. Five
+# minutes outlasts slow first steps (data loading, compilation) and still fails an interactive
+# job in reasonable time; `SBP_TIMEOUT` (seconds) or `init(timeout=...)` change it.
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SBP_TIMEOUT", 300)))
 
 _state: dict = {"ready": False, "rank": 0, "world": 1, "local_rank": 0, "timeout": DEFAULT_TIMEOUT}
 
@@ -67,15 +73,20 @@ def default_backend() -> str:
 
 
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
-    """Start (or adopt) the default process group. Idempotent; a new `timeout` is kept."""
+    """Start (or adopt) the default process group. Idempotent; a new `timeout` applies at once
+    to every process group that already exists, and to those made later."""
     if timeout is not None or not _state["ready"]:
         _state["timeout"] = _as_timedelta(timeout)
     if _state["ready"]:
+        if timeout is not None:
+            _apply_timeout(_state["timeout"])
         return
     if dist.is_available() and dist.is_initialized():
         _state.update(rank=dist.get_rank(), world=dist.get_world_size())
         _state["local_rank"] = int(os.environ.get("LOCAL_RANK", _state["local_rank"]))
         _state["ready"] = True
+        if timeout is not None:
+            _apply_timeout(_state["timeout"])
         return
     found = _launcher_vars()
     if found is None or found["world"] == 1:
@@ -91,6 +102,18 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     )
     atexit.register(_shutdown)
     _state.update(found, ready=True)
+
+
+def _apply_timeout(timeout: datetime.timedelta) -> None:
+    """Set `timeout` on every process group this rank belongs to (torch keeps it per group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    set_timeout = getattr(dist, "set_timeout", None)
+    for group in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
+        if set_timeout is not None:
+            set_timeout(timeout, group)
+        else:  # torch < 2.9
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def _shutdown() -> None:
@@ -140,3 +163,32 @@ def is_distributed() -> bool:
 def reset() -> None:
     """Forget the adopted state (tests and worker pools that re-create the world)."""
     _state.update(ready=False, rank=0, world=1, local_rank=0, timeout=DEFAULT_TIMEOUT)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """Under `sbp.distributed.launch`, have the kernel kill this worker when the launcher dies.
+
+    A launcher killed with SIGKILL cannot stop its workers, which would keep running (and
+    holding ports and GPUs). The launcher puts its pid in `SBP_LAUNCHER_PID`; a direct child
+    asks for SIGKILL on its parent's death (Linux `prctl(PR_SET_PDEATHSIG)`). A worker started
+    through a wrapper (`--no_python` with a shell script) is not a direct child and is left
+    alone. Runs when `sbp` is imported.
+    """
+    pid = os.environ.get("SBP_LAUNCHER_PID", "")
+    if not pid.isdigit() or not sys.platform.startswith("linux"):
+        return
+    if os.getppid() != int(pid):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(pid):  # it died before prctl took effect
+        os._exit(1)
+
+
+die_with_launcher()

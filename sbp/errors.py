@@ -23,3 +23,7 @@ class DeviceMismatchError(SbpError, ValueError):
 
 class CommTimeoutError(SbpError, RuntimeError):
     """A collective outlived the timeout given to `sbp.env.init`."""
+
+
+class InputTypeError(SbpError, TypeError):
+    """An argument of a type sbp cannot place: `to_global` on a numpy array, a number, a string."""

@@ -3,7 +3,9 @@
 Every rank draws the whole logical tensor from torch's own generator, then keeps
 its part, so after `sbp.manual_seed(s)` the value is what one process would draw
 after `torch.manual_seed(s)`; ranks outside the placement draw too, to keep the
-generators of all ranks in step.
+generators of all ranks in step. That is trusted, not checked: ranks seeded
+differently get different "broadcast" values. `sbp.tensor(data)` does check (a hash of
+`data`, one small all-gather), since its data comes from the caller.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from typing import Any
 
 import torch
 
-from sbp import env
+from sbp import comm, env
 from sbp import random as sbp_random
 from sbp.boxing.executor import local_device
+from sbp.comm import agreement
+from sbp.errors import InputTypeError, PlacementError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -27,15 +31,19 @@ def manual_seed(seed: int) -> None:
     sbp_random.manual_seed(seed)
 
 
+def _device_of(placement: Any) -> torch.device:
+    """The local device of `placement`, after checking it is an sbp.placement of this world."""
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
+    placement.check_in_world(env.get_world_size())
+    return local_device(placement.type)
+
+
 def from_logical(
     value: torch.Tensor, placement: Placement, sbp: Any, requires_grad: bool = False
 ) -> GlobalTensor:
     """A global tensor whose logical value is `value` (the same on every rank)."""
-    from sbp.errors import PlacementError
-
-    if not isinstance(placement, Placement):
-        raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
-    placement.check_in_world(env.get_world_size())
+    _device_of(placement)
     nd = normalize_nd_sbp(sbp, placement.ndim, value.dim())
     all_b = GlobalSpec(placement, (broadcast,) * placement.ndim, tuple(value.shape), value.dtype)
     target = all_b._replace(nd_sbp=nd)
@@ -47,8 +55,29 @@ def from_logical(
 
 
 def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_grad: bool = False):
-    """`sbp.tensor(data, placement, sbp)`: data is the full logical value on every rank."""
-    value = torch.as_tensor(data, dtype=dtype, device=local_device(placement.type))
+    """`sbp.tensor(data, placement, sbp)`: data is the full logical value on every rank.
+
+    Ranks check (one small all-gather, and a hash of the data) that they passed equal
+    data, shape, dtype, placement and sbp: else `MetaMismatchError` on every rank.
+    """
+    error, description = None, {}
+    try:
+        device = _device_of(placement)
+        try:
+            value = torch.as_tensor(data, dtype=dtype, device=device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputTypeError(f"sbp.tensor: cannot make a tensor of data: {e}") from e
+        description = {
+            "placement": repr(placement),
+            "sbp": repr(normalize_nd_sbp(sbp, placement.ndim, value.dim())),
+            "dtype": str(value.dtype),
+            "shape": tuple(value.shape),
+            "requires_grad": requires_grad,
+            "data hash": agreement.data_hash(value),
+        }
+    except SbpError as e:
+        error = e
+    comm.exchange(description, agreement.world(), what="sbp.tensor data", error=error)
     return from_logical(value.clone(), placement, sbp, requires_grad)
 
 
@@ -56,7 +85,7 @@ def _factory(fn):
     def make(*size, placement: Placement, sbp: Any, dtype=None, requires_grad: bool = False, **kw):
         if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
             size = tuple(size[0])
-        value = fn(*size, dtype=dtype, device=local_device(placement.type), **kw)
+        value = fn(*size, dtype=dtype, device=_device_of(placement), **kw)
         return from_logical(value, placement, sbp, requires_grad)
 
     make.__name__ = fn.__name__
@@ -72,10 +101,10 @@ empty = _factory(torch.empty)
 
 
 def full(size, fill_value, *, placement: Placement, sbp: Any, dtype=None, requires_grad=False):
-    value = torch.full(tuple(size), fill_value, dtype=dtype, device=local_device(placement.type))
+    value = torch.full(tuple(size), fill_value, dtype=dtype, device=_device_of(placement))
     return from_logical(value, placement, sbp, requires_grad)
 
 
 def arange(*args, placement: Placement, sbp: Any, dtype=None, requires_grad=False):
-    value = torch.arange(*args, dtype=dtype, device=local_device(placement.type))
+    value = torch.arange(*args, dtype=dtype, device=_device_of(placement))
     return from_logical(value, placement, sbp, requires_grad)

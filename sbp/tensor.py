@@ -9,6 +9,7 @@ with the transposed conversion.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,14 @@ import torch
 
 from sbp import boxing, comm, env, gradients
 from sbp.boxing.executor import empty_local, local_device
-from sbp.errors import DeviceMismatchError, MetaMismatchError, PlacementError
+from sbp.comm import agreement
+from sbp.errors import (
+    DeviceMismatchError,
+    InputTypeError,
+    MetaMismatchError,
+    PlacementError,
+    SbpError,
+)
 from sbp.layout import GlobalSpec, check_shape, logical_size_along
 from sbp.placement import placement as Placement
 from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp, partials_to_broadcast
@@ -77,11 +85,16 @@ class GlobalTensor(torch.Tensor):
         self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None
     ):
         """Re-box to another placement and/or sbp (None keeps the current one)."""
+        if placement is not None and not isinstance(placement, Placement):
+            raise PlacementError(
+                f"to_global: placement must be an sbp.placement, got {placement!r}"
+            )
         dst = boxing.target_spec(self._spec, placement, sbp)
         dst.placement.check_in_world(env.get_world_size())
         grad = _grad_nd_sbp(self._spec, grad_sbp)
         if dst == self._spec and grad == self._spec.nd_sbp:
             return self
+        agreement.check_rebox(self._spec, dst, self.requires_grad)  # first time (src, dst)
         return _Box.apply(self, dst, grad)
 
     def requires_grad_(self, requires_grad: bool = True):
@@ -184,14 +197,21 @@ class _FromLocal(torch.autograd.Function):
 
 
 def _exchange_shapes(
-    x: torch.Tensor, P: Placement, sbp: Any, shape: Any, check_meta: bool, error: Exception | None
+    x: torch.Tensor,
+    P: Placement,
+    sbp: Any,
+    shape: Any,
+    check_meta: bool,
+    error: Exception | None,
+    data_hash: int | None = None,
 ) -> dict[int, tuple[int, ...]]:
     """Every placement rank's local shape, learnt by all ranks of the world at once.
 
     With `check_meta`, ranks first agree on placement, sbp, dtype and device type;
     running over the whole world (every rank calls `to_global`, SPMD) also catches
     ranks that disagree on the placement itself, and tells ranks outside the
-    placement the logical shape.
+    placement the logical shape. Placement ranks must also agree on `requires_grad`
+    and, given `data_hash` (broadcast without sync_data), on their data.
     """
     me = env.get_rank()
     description = {}
@@ -203,10 +223,35 @@ def _exchange_shapes(
             "device type": x.device.type,
             "shape=": None if shape is None else tuple(shape),
         }
-    mine = [1, x.dim(), *x.shape] if me in P else [0]
+    extra = [int(x.requires_grad), data_hash or 0] if check_meta else []
+    mine = [1, x.dim(), *x.shape, *extra] if me in P else [0]
     world = tuple(range(env.get_world_size()))
     rows = comm.exchange(description, world, mine, "to_global", error=error)
-    return {r: tuple(row[2:]) for r, row in zip(world, rows, strict=True) if row[0] == 1}
+    if check_meta:
+        _check_agreement(
+            {r: row[2 + row[1] :] for r, row in zip(world, rows, strict=True) if row[0]}, P, sbp
+        )
+    return {r: tuple(row[2 : 2 + row[1]]) for r, row in zip(world, rows, strict=True) if row[0]}
+
+
+def _check_agreement(extra: dict[int, tuple[int, ...]], P: Placement, sbp: Any) -> None:
+    """Placement ranks agree on requires_grad, and on data along broadcast hierarchy dims."""
+    grads = {r: bool(e[0]) for r, e in extra.items()}
+    if len(set(grads.values())) > 1:
+        raise MetaMismatchError(
+            f"to_global: ranks disagree on requires_grad of the local tensor: {grads}"
+        )
+    nd = normalize_nd_sbp(sbp, P.ndim)
+    for h, s in enumerate(nd):
+        if not s.is_broadcast:
+            continue
+        for r in P.flat_ranks:
+            group = P.group_ranks(r, h)
+            if len({extra[q][1] for q in group}) > 1:
+                raise MetaMismatchError(
+                    f"to_global(sync_data=False): sbp is broadcast but the local data of ranks "
+                    f"{list(group)} differ; pass sync_data=True to take rank {group[0]}'s value"
+                )
 
 
 def _logical_shape(shapes: dict[int, tuple[int, ...]], P: Placement, nd: NdSbp) -> tuple[int, ...]:
@@ -261,12 +306,16 @@ def local_to_global(
     """`x` is this rank's local tensor; make the global tensor it is a part of (see API.md).
 
     Every rank of the world calls this (SPMD); ranks outside `placement` pass any
-    tensor of the right dtype and get a metadata-only global tensor.
+    tensor of the right dtype and get a metadata-only global tensor. A bad argument on
+    any rank raises on every rank (with `check_meta`). With `check_meta` and
+    `sync_data=False`, a broadcast tensor's data is hashed and compared (about 1 GB/s);
+    with `check_meta=False` nothing is checked: equal data is trusted.
     """
-    if not isinstance(placement, Placement):
-        raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
-    placement.check_in_world(env.get_world_size())
-    normalize_nd_sbp(sbp, placement.ndim)  # a bad sbp fails before any communication
+    bad = _bad_input(x, placement, sbp, shape)
+    if bad is not None:  # every rank raises it at once, not only this one
+        if check_meta:
+            agreement.raise_everywhere(bad)
+        raise bad
     me = env.get_rank()
     inside = me in placement
     error = None
@@ -285,7 +334,11 @@ def local_to_global(
     splits = any(s.is_split for s in normalize_nd_sbp(sbp, placement.ndim))
     shapes = None
     if check_meta or (splits and shape is None):
-        shapes = _exchange_shapes(x, placement, sbp, shape, check_meta, error)
+        checksum = None
+        if check_meta and not sync_data and inside and error is None:
+            if any(s.is_broadcast for s in normalize_nd_sbp(sbp, placement.ndim)):
+                checksum = agreement.data_hash(x)
+        shapes = _exchange_shapes(x, placement, sbp, shape, check_meta, error, checksum)
     elif error is not None:
         raise error
     if shape is not None:
@@ -317,6 +370,27 @@ def local_to_global(
     return GlobalTensor(data.detach(), spec)
 
 
+def _bad_input(x: Any, placement: Any, sbp: Any, shape: Any) -> SbpError | None:
+    """What is wrong with this rank's arguments to `to_global`, found without communication."""
+    if not isinstance(x, torch.Tensor):
+        return InputTypeError(
+            f"to_global: expected a torch.Tensor (or a dict/list/tuple of them), got "
+            f"{type(x).__name__}; make it one first (torch.as_tensor(x))"
+        )
+    if not isinstance(placement, Placement):
+        return PlacementError(f"to_global: placement must be an sbp.placement, got {placement!r}")
+    try:
+        placement.check_in_world(env.get_world_size())
+        local_device(placement.type)  # a cuda placement with no GPU
+        ndim = x.dim() if env.get_rank() in placement else None
+        normalize_nd_sbp(sbp, placement.ndim, ndim)
+        if shape is not None:
+            check_shape(shape)
+    except SbpError as e:
+        return e
+    return None
+
+
 class _Reattach(torch.autograd.Function):
     """Use synced data in forward while the gradient still reaches the caller's tensor."""
 
@@ -333,7 +407,20 @@ class _Reattach(torch.autograd.Function):
 
 
 def to_global(obj: Any, placement: Placement | None = None, sbp: Any = None, **kwargs: Any) -> Any:
-    """`sbp.to_global`: a tensor, a GlobalTensor (re-box), or nested dict/list/tuple of them."""
+    """`sbp.to_global`: a tensor, a GlobalTensor (re-box), or nested dict/list/tuple of them.
+
+    In a dict/list/tuple, leaves that are not tensors (ints, strings, None) pass through
+    unchanged; anything else given alone (a numpy array, a number) is an `InputTypeError`
+    on every rank.
+    """
+    if not isinstance(obj, (torch.Tensor, Mapping, list, tuple)):
+        if placement is None or sbp is None:
+            raise InputTypeError(f"to_global: expected a torch.Tensor, got {type(obj).__name__}")
+        return local_to_global(obj, placement, sbp, **kwargs)
+    return _tree_to_global(obj, placement, sbp, **kwargs)
+
+
+def _tree_to_global(obj: Any, placement: Any, sbp: Any, **kwargs: Any) -> Any:
     if isinstance(obj, GlobalTensor):
         return obj.to_global(placement, sbp, **kwargs)
     if isinstance(obj, torch.Tensor):
@@ -341,11 +428,11 @@ def to_global(obj: Any, placement: Placement | None = None, sbp: Any = None, **k
             raise PlacementError("to_global on a local tensor needs both placement= and sbp=")
         return local_to_global(obj, placement, sbp, **kwargs)
     if isinstance(obj, Mapping):
-        return type(obj)((k, to_global(v, placement, sbp, **kwargs)) for k, v in obj.items())
+        return type(obj)((k, _tree_to_global(v, placement, sbp, **kwargs)) for k, v in obj.items())
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_global(v, placement, sbp, **kwargs) for v in obj))
+        return type(obj)(*(_tree_to_global(v, placement, sbp, **kwargs) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_global(v, placement, sbp, **kwargs) for v in obj)
+        return type(obj)(_tree_to_global(v, placement, sbp, **kwargs) for v in obj)
     return obj
 
 
@@ -355,6 +442,14 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
     Values are synced from the placement's first rank (`sync_data=True`), so ranks
     that initialised differently start equal. Shared parameters stay shared.
     """
+    bad = None
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if bad is None and not isinstance(t, GlobalTensor):
+            bad = _bad_input(t, placement, sbp, kwargs.get("shape"))
+    if bad is not None:  # nothing converted yet: the module stays as it was
+        if kwargs.get("check_meta", True):
+            agreement.raise_everywhere(bad, "module.to_global")
+        raise bad
     done: dict[int, Any] = {}
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):

@@ -21,6 +21,13 @@ from sbp.layout import GlobalSpec, balanced_range, balanced_sizes, elements_per_
 def local_device(placement_type: str) -> torch.device:
     """The device of this rank's local tensors on a placement of `placement_type`."""
     if placement_type == "cuda":
+        if not torch.cuda.is_available():
+            from sbp.errors import DeviceMismatchError
+
+            raise DeviceMismatchError(
+                "the placement type is 'cuda' but this process sees no GPU "
+                "(torch.cuda.is_available() is False); use sbp.placement('cpu', ...)"
+            )
         return torch.device("cuda", env.get_local_rank())
     return torch.device("cpu")
 

@@ -2,13 +2,19 @@
 
 Each takes the participating ranks in placement order, skips communication
 for a single rank, counts the call and its bytes for `sbp.comm_stats()`, and
-turns a backend timeout into `CommTimeoutError`. Tensors must be contiguous.
+turns a backend failure (timeout, a peer that closed its connection) into
+`CommTimeoutError` naming the collective and the ranks that did not arrive.
+Groups hold their ranks in ascending order (see `groups`); chunks are permuted
+between that order and the placement's here. Max and min of floats keep NaN,
+as torch does (gloo's MAX drops it). Tensors must be contiguous.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -16,7 +22,7 @@ import torch.distributed as dist
 
 from sbp import env
 from sbp.comm import cost, stats
-from sbp.comm.groups import get_group
+from sbp.comm.groups import get_group, group_order
 from sbp.errors import CommTimeoutError
 
 Ranks = tuple[int, ...]
@@ -24,24 +30,66 @@ Ranks = tuple[int, ...]
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_TIMEOUT = re.compile(r"time[d ]?\s*out|timeout", re.IGNORECASE)
+_FAILED = re.compile(
+    r"time[d ]?\s*out|timeout|closed|reset by peer|broken pipe|connection refused",
+    re.IGNORECASE,
+)
+REPORT_WINDOW_S = 3.0  # how long a failed rank waits for the others to report the same failure
+_failures: Counter = Counter()
 
 
 @contextlib.contextmanager
-def _timeouts(kind: str, ranks: Ranks) -> Iterator[None]:
+def guarded(kind: str, ranks: Ranks) -> Iterator[None]:
+    """Turn a backend timeout or lost peer inside the block into `CommTimeoutError`."""
     try:
         yield
     except RuntimeError as e:  # DistBackendError is a RuntimeError
-        if _TIMEOUT.search(str(e)):
-            raise CommTimeoutError(
-                f"{kind} over ranks {list(ranks)} outlived the timeout of "
-                f"{env.get_timeout()} (sbp.env.init(timeout=...)): {e}"
-            ) from e
-        raise
+        if not _FAILED.search(str(e)):
+            raise
+        missing = _ranks_not_reporting(ranks)
+        absent = (
+            f"; ranks {missing} did not arrive (stuck elsewhere or exited)"
+            if missing
+            else ("" if missing is None else "; every rank arrived")
+        )
+        raise CommTimeoutError(
+            f"{kind} over ranks {list(ranks)} failed within the timeout of "
+            f"{env.get_timeout()} (sbp.env.init(timeout=...)){absent}: {e}"
+        ) from e
+
+
+def _ranks_not_reporting(ranks: Ranks) -> list[int] | None:
+    """After a failed collective: which members did not report a failure of it in time.
+
+    Each failed rank writes a key to the default store (shared by the world) and waits
+    a few seconds for the others'; a rank that never came (or died) writes none. None
+    when the store cannot be reached.
+    """
+    key = ",".join(map(str, sorted(ranks)))
+    n = _failures[key]
+    _failures[key] += 1
+    prefix = f"sbp/failed/{key}/{n}/"
+    me = env.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(prefix + str(me), "1")
+        window = min(env.get_timeout().total_seconds() / 2, REPORT_WINDOW_S)
+        deadline = time.monotonic() + window
+        while True:
+            missing = [r for r in ranks if r != me and not store.check([prefix + str(r)])]
+            if not missing or time.monotonic() > deadline:
+                return sorted(missing)
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
+        return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.reshape(n, -1)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -50,9 +98,36 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
         output.copy_(input.reshape(output.shape))
         return output
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
-    with _timeouts("all_gather", ranks):
-        _all_gather_single(output, input, group=get_group(ranks))
+    order = group_order(ranks)
+    target = output if order is None else torch.empty_like(output)
+    with guarded("all_gather", ranks):
+        _all_gather_single(target, input, group=get_group(ranks))
+    if order is not None:
+        _rows(output, len(ranks)).copy_(_rows(target, len(ranks))[order])
     return output
+
+
+_ORDERED_INT = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _nan_keeping(tensor: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dtype] | None:
+    """Floats as integers of the same order for max/min (NaN above +inf for max, below -inf
+    for min), so the integer reduction keeps NaN as torch does; None if not needed."""
+    if op == "sum" or not tensor.is_floating_point():
+        return None
+    work = tensor if tensor.dtype in _ORDERED_INT else tensor.float()
+    itype = _ORDERED_INT[work.dtype]
+    imax = torch.iinfo(itype).max
+    nan_bits = torch.tensor(float("nan"), dtype=work.dtype).view(itype).item() & imax
+    if op == "min":
+        nan_bits = nan_bits - imax - 1  # the sign bit set: ordered below -inf
+    i = torch.where(torch.isnan(work), nan_bits, work.view(itype))
+    return torch.where(i < 0, i ^ imax, i), work.dtype
+
+
+def _from_nan_keeping(i: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    imax = torch.iinfo(i.dtype).max
+    return torch.where(i < 0, i ^ imax, i).view(dtype)
 
 
 def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
@@ -60,8 +135,14 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     if len(ranks) == 1:
         return tensor
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
-    with _timeouts("all_reduce", ranks):
-        dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks))
+    ordered = _nan_keeping(tensor, op)
+    with guarded("all_reduce", ranks):
+        if ordered is None:
+            dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks))
+            return tensor
+        work = ordered[0]
+        dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
+    tensor.copy_(_from_nan_keeping(work, ordered[1]))
     return tensor
 
 
@@ -96,9 +177,21 @@ def reduce_scatter(
     if len(ranks) == 1:
         output.copy_(input.reshape(output.shape))
         return output
-    stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
-    with _timeouts("reduce_scatter", ranks):
-        _reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=get_group(ranks))
+    n = len(ranks)
+    stats.record("reduce_scatter", cost.reduce_scatter_bytes(n, _nbytes(input)))
+    order = group_order(ranks)
+    if order is not None:  # chunk j of the group goes to its j-th (ascending) rank
+        inverse = [ranks.index(r) for r in sorted(ranks)]
+        input = _rows(input, n)[inverse]
+    ordered = _nan_keeping(input, op)
+    src = input if ordered is None else ordered[0]
+    dst = output if ordered is None else src.new_empty(output.shape)
+    with guarded("reduce_scatter", ranks):
+        _reduce_scatter_single(
+            dst.reshape(-1), src.reshape(-1), op=REDUCE_OPS[op], group=get_group(ranks)
+        )
+    if ordered is not None:
+        output.copy_(_from_nan_keeping(dst, ordered[1]))
     return output
 
 
@@ -116,10 +209,21 @@ def all_to_all(
         return output
     row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
     stats.record("all_to_all", cost.all_to_all_bytes([s * row for s in input_splits], me))
-    with _timeouts("all_to_all", ranks):
+    order = group_order(ranks)
+    target = output
+    if order is not None:  # chunks in group order (ascending ranks) on the wire
+        inverse = [ranks.index(r) for r in sorted(ranks)]
+        input = torch.cat([input.split(list(input_splits))[i] for i in inverse])
+        input_splits = [input_splits[i] for i in inverse]
+        output_splits = [output_splits[i] for i in inverse]
+        target = torch.empty_like(output)
+    with guarded("all_to_all", ranks):
         dist.all_to_all_single(
-            output, input, list(output_splits), list(input_splits), group=get_group(ranks)
+            target, input, list(output_splits), list(input_splits), group=get_group(ranks)
         )
+    if order is not None:
+        chunks = target.split(list(output_splits))
+        torch.cat([chunks[j] for j in order], out=output)
     return output
 
 
@@ -128,7 +232,7 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     if len(ranks) == 1:
         return tensor
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
-    with _timeouts("broadcast", ranks):
+    with guarded("broadcast", ranks):
         dist.broadcast(tensor, src=src, group=get_group(ranks))
     return tensor
 
@@ -147,13 +251,13 @@ def exchange_p2p(
     peers = {env.get_rank(), *[p for _, p in sends], *[p for _, p in recvs]}
     ops = [dist.P2POp(dist.isend, t, p) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, t, p) for t, p in recvs]
-    with _timeouts("send/recv", tuple(sorted(peers))):
+    with guarded("send/recv", tuple(sorted(peers))):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
 
 def barrier(ranks: Ranks) -> None:
     if len(ranks) > 1:
-        with _timeouts("barrier", ranks):
+        with guarded("barrier", ranks):
             t = torch.zeros(1)
             dist.all_reduce(t, group=get_group(ranks))

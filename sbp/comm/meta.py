@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from sbp.comm import collectives
-from sbp.comm.groups import get_group
+from sbp.comm.groups import get_group, group_order
 from sbp.errors import MetaMismatchError
 
 MAX_INTS = 14
@@ -29,8 +29,10 @@ def stable_hash(obj: object) -> int:
 
 def _gather_objects(obj: object, ranks: tuple[int, ...]) -> list[object]:
     out: list[object] = [None] * len(ranks)
-    dist.all_gather_object(out, obj, group=get_group(ranks))
-    return out
+    with collectives.guarded("all_gather_object", ranks):
+        dist.all_gather_object(out, obj, group=get_group(ranks))
+    order = group_order(ranks)
+    return out if order is None else [out[j] for j in order]
 
 
 def describe_mismatch(descriptions: Sequence[Mapping], ranks: Sequence[int], what: str) -> str:

@@ -19,11 +19,15 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import ipaddress
 import os
+import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 
 from torch.distributed.elastic.multiprocessing.api import (
     LogsDest,
@@ -272,6 +276,8 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
         f"--node_rank={args.node_rank}",
         f"--master_addr={args.master_addr}",
     ]
+    if _is_loopback(args.master_addr):
+        argv.append(f"--local_addr={args.master_addr}")  # workers' MASTER_ADDR, not the fqdn
     if args.master_port is None and args.nnodes == 1:
         # Like plain torchrun on one node: a c10d store on a port the OS picks, so that
         # two jobs on one machine do not fight over port 29500.
@@ -288,6 +294,48 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
     if args.no_python:
         argv.append("--no_python")
     return [*argv, args.training_script, *args.training_script_args]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _stores_listen_on_loopback() -> Iterator[None]:
+    """Rendezvous stores this process hosts for a loopback host listen on that address only.
+
+    torch's TCPStore server listens on every interface whatever host it is given, so a
+    single-node job would take connections from the network. Here its socket is bound
+    first (to 127.0.0.1, say) and handed over (`master_listen_fd`).
+    """
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    real = dist.TCPStore
+
+    def store(host_name, port, *args, **kwargs):
+        is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+        if is_master and kwargs.get("master_listen_fd") is None and _is_loopback(host_name):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((socket.gethostbyname(host_name), port))
+            sock.listen(socket.SOMAXCONN)
+            port = sock.getsockname()[1]
+            kwargs["master_listen_fd"] = sock.detach()
+        return real(host_name, port, *args, **kwargs)
+
+    modules = (dist, c10d_rendezvous_backend, static_tcp_rendezvous)
+    saved = [m.TCPStore for m in modules]
+    for m in modules:
+        m.TCPStore = store
+    try:
+        yield
+    finally:
+        for m, old in zip(modules, saved, strict=True):
+            m.TCPStore = old
 
 
 def _report_failure(err: BaseException, logs: RankLogsSpecs | None) -> None:
@@ -321,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Set before torchrun reads the environment: workers inherit it, and torchrun then
     # skips its own (nproc > 1 only) default and its warning banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Workers that import sbp die with this process, even if it is SIGKILLed
+    # (sbp.env.die_with_launcher).
+    os.environ["SBP_LAUNCHER_PID"] = str(os.getpid())
 
     torchrun_args = get_args_parser().parse_args(_torchrun_argv(args))
     config, entrypoint, entry_args = config_from_args(torchrun_args)
@@ -329,8 +380,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         logs = RankLogsSpecs(args.logdir, redirect=args.redirect_stdout_and_stderr)
         config.logs_specs = logs
 
+    bind = _stores_listen_on_loopback() if _is_loopback(args.master_addr) else nullcontext()
     try:
-        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+        with bind:
+            elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as err:
         _report_failure(err, logs)
         sys.exit(1)

@@ -43,7 +43,7 @@ def pack_is_view(
     return x.is_contiguous() and (whole or (leading and pad_to is None))
 
 
-STAGING_LIMIT = 2**30
+STAGING_LIMIT = 64 * 2**20  # bytes: larger buffers are not kept (a 256 MiB conversion kept 366 MiB)
 _staging: dict = {}
 
 
@@ -53,6 +53,8 @@ def staging(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> 
     Fresh CPU blocks of 32 MiB or more are mapped anew by glibc and fault on every first
     touch (about 25 ms per 32 MiB here, against 1.4 ms to refill a warm one); boxing
     stages through a few buffers per call, so reusing them is most of the cost at size.
+    Buffers above `STAGING_LIMIT` are made per call and not kept, so memory does not stay
+    at a peak; `sbp.boxing.empty_cache()` frees the kept ones.
     """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes > STAGING_LIMIT:
@@ -65,7 +67,12 @@ def staging(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> 
 
 
 def empty_cache() -> None:
-    """Free the staging buffers."""
+    """Free the staging buffers boxing keeps between calls (`sbp.boxing.empty_cache()`).
+
+    Boxing keeps one send and one receive buffer per dtype and device, each at most
+    `STAGING_LIMIT` bytes (64 MiB), so after large conversions up to that much stays
+    allocated per rank; call this to give it back (e.g. before evaluation or a checkpoint).
+    """
     _staging.clear()
 
 

@@ -12,10 +12,16 @@ import torch
 
 from sbp import env
 from sbp.boxing.executor import empty_local
-from sbp.ops.registry import rebox, register
+from sbp.ops.registry import LOCAL_STATE_OPS, rebox, register
 from sbp.signature import broadcast, partials_to_broadcast
 
 aten = torch.ops.aten
+# Fused optimizers take their step counts as 0-dim local tensors, equal on every rank.
+LOCAL_STATE_OPS.update(
+    getattr(aten, name)
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+    if hasattr(aten, name)
+)
 
 
 def is_list_op(func) -> bool:

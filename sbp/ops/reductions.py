@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from sbp.kernels import fill_value
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import Call, Strategy, register, register_strategy, without_partials
 from sbp.signature import Partial, broadcast, partial_sum, split
@@ -74,12 +75,29 @@ def mean(call: Call) -> list[Strategy]:
     return [*reduction_candidates(call, partial_sum), Strategy((partial_sum,), (partial_sum,))]
 
 
-@register_strategy(aten.amax, aten.max.default)
+def _identity_if_empty(op: str):
+    """local_args of max/min: a rank whose shard is empty along a reduced dim (uneven split,
+    1 row on 2 ranks) reduces one identity element instead (-inf for max), as torch refuses
+    an empty max; its partial result then leaves the others' unchanged."""
+
+    def local_args(func, args, kwargs, rank, in_specs, out_specs):
+        x = args[0]
+        if x.numel() != 0:
+            return args, kwargs
+        dims, _ = reduced_dims(Call(func, args, kwargs, [in_specs[0]], []))
+        shape = [1 if (n == 0 and d in dims) else n for d, n in enumerate(x.shape)]
+        filler = torch.full(shape, fill_value(x.dtype, op), dtype=x.dtype, device=x.device)
+        return (filler, *args[1:]), kwargs
+
+    return local_args
+
+
+@register_strategy(aten.amax, aten.max.default, local_args=_identity_if_empty("max"))
 def amax(call: Call) -> list[Strategy]:
     return reduction_candidates(call, Partial("max"))
 
 
-@register_strategy(aten.amin, aten.min.default)
+@register_strategy(aten.amin, aten.min.default, local_args=_identity_if_empty("min"))
 def amin(call: Call) -> list[Strategy]:
     return reduction_candidates(call, Partial("min"))
 

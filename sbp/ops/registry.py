@@ -172,6 +172,17 @@ def _global_type():
 LOCAL_INDEX_OPS: set = set()
 
 
+# Ops whose 0-dim local tensors are state every rank keeps equal (the step counts of a
+# fused optimizer), not data to be placed.
+LOCAL_STATE_OPS: set = set()
+
+
+def _trusted_constant(func) -> bool:
+    """May a 0-dim local tensor join global ones in `func`? In torch's backward formulas
+    (0-dim zeros in clamp's, say) and in LOCAL_STATE_OPS."""
+    return torch._C._current_graph_task_id() >= 0 or func.overloadpacket in LOCAL_STATE_OPS
+
+
 def scan(func, flat: list) -> tuple[tuple, list[int]]:
     """One pass over the arguments: check placements, find the global tensors, and build the
     decision-cache key (everything but floats and tensor values, so per-step scalars such as
@@ -194,12 +205,18 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             gpos.append(i)
             key.append(spec)
         elif isinstance(a, torch.Tensor):
-            if a.dim() > 0 or a.requires_grad:
-                if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()):
-                    raise PlacementError(
-                        f"{func}: mixes global tensors with a local torch.Tensor of shape "
-                        f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp))"
-                    )
+            # A 0-dim local tensor too: its value may differ per rank (rank 0 holds 2.0,
+            # rank 1 3.0), so taking it as broadcast would give silently different results.
+            # Python scalars are the values every rank is trusted to agree on, and so are
+            # the 0-dim constants of torch's backward formulas (zeros in clamp's, say).
+            if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
+                a.dim() == 0 and not a.requires_grad and _trusted_constant(func)
+            ):
+                raise PlacementError(
+                    f"{func}: mixes global tensors with a local torch.Tensor of shape "
+                    f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp)), "
+                    "or pass a Python number (t.item()) for a 0-dim constant"
+                )
             key.append(("t", tuple(a.shape), a.dtype))
         elif type(a) is float:
             key.append(float)
@@ -233,6 +250,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     flat, tree = flatten(args, kwargs)
     key, gpos = scan(func, flat)
     d = _cache.get(key)
+    if d is not None:
+        _cache.move_to_end(key)  # least recently used goes first
     if d is not None and d.direct is not None:
         if observers:
             observers[-1].direct(func, d)
@@ -347,7 +366,7 @@ def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision
         d = _decide(rule, func, args, kwargs, specs)
         _cache[key] = d
         if len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
+            _cache.popitem(last=False)  # the least recently used (hits move to the end)
     return d
 
 

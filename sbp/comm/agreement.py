@@ -1,0 +1,75 @@
+"""Cheap checks that every rank is about to run the same communication.
+
+Ranks that disagree on a conversion (another sbp or placement on one rank) or on
+`requires_grad` enter mismatched collectives: gloo aborts the process ("Received
+data size doesn't match") or waits out the timeout. `check_rebox` exchanges a hash
+of the conversion over the ranks of both placements the first time a rank meets it (mode "first",
+the default: one small all-gather per new conversion), on every call ("always"),
+or never ("never"); a divergence raises `MetaMismatchError` on every rank.
+`raise_everywhere` sends a rank's own bad-input error through the same exchange,
+so that every rank raises it at once instead of waiting for the bad one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from sbp import env
+from sbp.comm import stats
+from sbp.comm.meta import exchange
+
+MODE = "first"
+MAX_SEEN = 4096
+_seen: dict[tuple[int, ...], set] = {}
+
+
+def world() -> tuple[int, ...]:
+    return tuple(range(env.get_world_size()))
+
+
+def raise_everywhere(error: BaseException, what: str = "to_global") -> None:
+    """Raise `error` here and (named as this rank's) on every other rank of the world.
+
+    The other ranks must be in their own metadata exchange of the same call (SPMD).
+    """
+    exchange({}, world(), (), what, error=error)
+    raise error  # a world of one
+
+
+def check_rebox(src: object, dst: object, requires_grad: bool) -> None:
+    """Every rank re-boxes the same (src -> dst) with the same `requires_grad` (see MODE).
+
+    What was seen is kept per rank set: every member of a set meets the same conversions in
+    the same order (SPMD), so all of them check, or forget, the same ones.
+    """
+    if MODE == "never" or env.get_world_size() == 1:
+        return
+    ranks = _ranks(src, dst)
+    if env.get_rank() not in ranks:
+        return
+    key = (src, dst, requires_grad)
+    seen = _seen.setdefault(ranks, set())
+    if MODE == "first":
+        if key in seen:
+            return
+        if len(seen) >= MAX_SEEN:
+            seen.clear()
+    with stats.paused():  # a check, not a collective of the conversion
+        exchange(
+            {"from": repr(src), "to": repr(dst), "requires_grad": requires_grad},
+            ranks,
+            what="a re-box (to_global)",
+        )
+    seen.add(key)
+
+
+def _ranks(src, dst) -> tuple[int, ...]:
+    return tuple(sorted({*src.placement.flat_ranks, *dst.placement.flat_ranks}))
+
+
+def data_hash(x: torch.Tensor) -> int:
+    """A 56-bit hash of `x`'s bytes (CPU copy for other devices; about 1 GB/s)."""
+    data = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
