@@ -154,18 +154,20 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            with _timeouts(self.kind, self.ranks):
+            with guarded(self.kind, self.ranks):
                 self.work.wait()
             self.work = None
         return self.tensor
 
 
 def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
-    """Start reducing `tensor` in place over `ranks`; the caller waits on the result."""
+    """Start summing `tensor` in place over `ranks`; the caller waits on the result."""
+    if op != "sum":
+        raise ValueError("all_reduce_async sums (max/min keep NaN through all_reduce)")
     if len(ranks) == 1:
         return Pending(None, tensor, "all_reduce", ranks)
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
-    with _timeouts("all_reduce", ranks):
+    with guarded("all_reduce", ranks):
         work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks), async_op=True)
     return Pending(work, tensor, "all_reduce", ranks)
 
