@@ -9,7 +9,9 @@ Two opt-in ways make them safe, after OneFlow and DTensor:
   `ones`, `full`, `empty`, `tensor`, ...) called inside return global tensors on
   that placement and sbp, the value being what one process would make.
 - `implicit_replication()`: a local tensor mixed with global ones in an op is
-  taken as the `broadcast` value of the op's placement.
+  taken as the `broadcast` value of the op's placement. Autograd saves the
+  local tensor itself, so a backward that uses it (the other factor of a
+  product, say) must run inside the mode too, as with DTensor's.
 
 Both trust every rank to make the same value, as SPMD code does. `check=True`
 verifies it: each such value's hash is all-gathered over the placement and a
