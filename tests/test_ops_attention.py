@@ -1,5 +1,5 @@
-"""Rows for scaled dot-product attention (CPU flash kernel, forward and backward) and
-constant_pad_nd, run by test_ops' table machinery: forward values and input gradients on global
+"""Rows for scaled dot-product attention (CPU flash kernel, forward and backward),
+constant_pad_nd, and reshapes that merge a split dim, run by test_ops' table machinery: forward values and input gradients on global
 tensors equal single-process torch on the logical tensors (float64), for every signature listed
 on 4 ranks of a world of 4 (the first also on 2) and on 2x2."""
 
@@ -50,6 +50,11 @@ ROWS = {
     "constant_pad_nd_3d": Row(
         [(3, 4, 5)], lambda x: F.pad(x, (2, 1), value=-1.0), [(S0,), (S1,), (S2,), (P,)]
     ),
+    "reshape_merges_split_dim": Row(
+        [(4, 3, 2)],
+        lambda x: (x.reshape(12, 2), x.reshape(2, 12), x.flatten().view(8, 3)),
+        [(S0,), (S1,), (P,)],
+    ),
 }
 test_ops.ROWS.update(ROWS)  # here and in every worker that unpickles _case
 
@@ -87,12 +92,16 @@ def _runs_without_fallback():
             y = F.scaled_dot_product_attention(*g, is_causal=True)
             y.backward(sbp.tensor(torch.ones(4, 2, 5, 3, dtype=torch.float64), P_, sig))
             F.pad(g[0], (0, 1))
+            if sig == S0:  # a flatten of the batch dim keeps the split (logits.view(-1, V))
+                flat = y.reshape(20, 2, 3).view(-1, 3)
+                out["flatten"] = (flat.sbp, tuple(flat._local.shape))
         out[repr(sig)] = (y.sbp, dict(st.by_kind))
     return out
 
 
 def test_attention_splits_need_no_communication(pool2):
     for out in pool2.run(_runs_without_fallback):
+        assert out.pop("flatten") == ((S0,), (20, 3))
         for sig, (ysbp, kinds) in out.items():
             assert repr(ysbp[0]) == sig
             assert kinds == {}, (sig, kinds)

@@ -351,7 +351,8 @@ def embedding(call: Call) -> list[Strategy]:
 @register_strategy(aten.embedding_dense_backward)
 def embedding_backward(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
-    return [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+    cands = [Strategy((B, B), (B,)), Strategy((P, B), (P,))]  # linear in the gradient
+    return cands + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
 
 
 # ---------------------------------------------------------------- dropout and random ops
