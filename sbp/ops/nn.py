@@ -351,8 +351,7 @@ def embedding(call: Call) -> list[Strategy]:
 @register_strategy(aten.embedding_dense_backward)
 def embedding_backward(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
-    cands = [Strategy((B, B), (B,)), Strategy((P, B), (P,))]  # linear in the gradient
-    return cands + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+    return [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
 
 
 # ---------------------------------------------------------------- dropout and random ops
