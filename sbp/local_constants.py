@@ -13,6 +13,7 @@ Two opt-in ways make them safe, after OneFlow and DTensor:
   local tensor itself, so a backward that uses it (the other factor of a
   product, say) must run inside the mode too, as with DTensor's.
 
+A `global_mode` also replicates the local tensors that still meet global ones.
 Both trust every rank to make the same value, as SPMD code does. `check=True`
 verifies it: each such value's hash is all-gathered over the placement and a
 value that differs between ranks raises `MetaMismatchError` on every rank.
@@ -162,12 +163,19 @@ class _GlobalFactories(TorchFunctionMode):
 def global_mode(placement: Placement, sbp: Any = None, *, check: bool = False) -> Iterator[None]:
     """Inside, torch's factories (`FACTORIES`) make global tensors on `placement` with `sbp`
     (default: broadcast), OneFlow's `global_mode`: the logical value is what one process
-    makes. With `check=True`, each value is compared across the placement's ranks first."""
+    makes. Local tensors that still meet global ones (made before the mode, or by torch's
+    C++ code, such as the 0-dim fill values of a boolean attention mask) are replicated as
+    under `implicit_replication`. With `check=True`, each value is compared across the
+    placement's ranks first."""
     if not isinstance(placement, Placement):
         raise PlacementError(f"global_mode: placement must be an sbp.placement, got {placement!r}")
     if sbp is None:
         sbp = (broadcast,) * placement.ndim
     placement.check_in_world(env.get_world_size())
     normalize_nd_sbp(sbp, placement.ndim)  # a bad sbp fails here, not at the first factory
-    with _GlobalFactories(placement, sbp, check):
-        yield
+    _replicating.append(bool(check))  # constants torch makes in C++ (no factory call) too
+    try:
+        with _GlobalFactories(placement, sbp, check):
+            yield
+    finally:
+        _replicating.pop()

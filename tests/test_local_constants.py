@@ -66,8 +66,11 @@ def _global_mode_training():
     with sbp.global_mode(P_, S0):
         z = torch.zeros(4, 3)
         a = torch.arange(6)
+    made_before, ones = torch.arange(3.0), sbp.ones(4, 3, placement=P_, sbp=S0)
     with sbp.global_mode(P_):
         t = torch.tensor([[1.0, 2.0]], requires_grad=True)
+        u = ones * made_before  # a local tensor made before the mode: replicated
+    errors += [] if u.full_tensor().tolist() == [[0.0, 1.0, 2.0]] * 4 else ["mixed local"]
     errors += [] if isinstance(z, sbp.GlobalTensor) and z.sbp == (S0,) else ["zeros not split"]
     errors += [] if a.full_tensor().tolist() == list(range(6)) else ["arange value"]
     errors += [] if t.sbp == (B,) and t.requires_grad and t.is_leaf else ["tensor()"]
