@@ -138,6 +138,12 @@ def _called_by_sbp() -> bool:
     return False
 
 
+def _stays_local(kwargs: dict) -> bool:
+    """Meta tensors (shape-only model set-up) and writes into a given `out=` stay as asked."""
+    device = kwargs.get("device")
+    return "out" in kwargs or (device is not None and torch.device(device).type == "meta")
+
+
 class _GlobalFactories(TorchFunctionMode):
     def __init__(self, placement: Placement, sbp: Any, check: bool):
         super().__init__()
@@ -145,7 +151,7 @@ class _GlobalFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in FACTORIES or _called_by_sbp():
+        if func not in FACTORIES or _stays_local(kwargs) or _called_by_sbp():
             return func(*args, **kwargs)
         from sbp.factories import from_logical
 
