@@ -13,6 +13,7 @@ from sbp.errors import (
 )
 from sbp.factories import arange, empty, full, manual_seed, ones, rand, randn, tensor, zeros
 from sbp.layout import local_shape, local_slices
+from sbp.local_constants import global_mode, implicit_replication
 from sbp.placement import placement
 from sbp.signature import broadcast, partial_max, partial_min, partial_sum, split
 from sbp.tensor import GlobalTensor, to_global
@@ -73,6 +74,8 @@ __all__ = [
     "arange",
     "empty",
     "full",
+    "global_mode",
+    "implicit_replication",
     "manual_seed",
     "ones",
     "rand",

@@ -105,6 +105,29 @@ class GlobalTensor(torch.Tensor):
             self.register_post_accumulate_grad_hook(gradients.post_accumulate_hook)
         return self
 
+    def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
+        """The wrapper always has the logical contiguous strides (so torch's own `contiguous`
+        returns it unchanged); the local tensor of a transpose or slice does not: copy it then."""
+        if self._local.is_contiguous(memory_format=memory_format):
+            return self
+        return self.clone(memory_format=memory_format)
+
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """`p.data = q` (what `Module.to(dtype)` / `.double()` do): take `q`'s local tensor and
+        spec too, not only the wrapper's metadata."""
+        if not isinstance(value, GlobalTensor):
+            raise PlacementError(
+                f"cannot set .data of a global tensor to a local {type(value).__name__}; "
+                "make it global first (x.to_global(placement, sbp))"
+            )
+        torch._C.TensorBase.data.__set__(self, value)
+        self._local, self._spec = value._local, value._spec
+
     def full_tensor(self) -> torch.Tensor:
         """The logical value as a plain tensor on every rank of the placement."""
         return self.to_global(sbp=(broadcast,) * self.placement.ndim).to_local()

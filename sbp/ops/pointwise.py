@@ -120,7 +120,6 @@ SCALING = [
     aten.neg,
     aten.neg_,
     aten.clone,
-    aten._to_copy,
     aten.zero_,
     aten.positive,
     aten.mul.Scalar,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from sbp import env
+from sbp import env, local_constants
 from sbp.boxing import plan_specs
 from sbp.comm import stats
 from sbp.errors import PlacementError
@@ -192,6 +192,7 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
     placement = None
     key: list = [func]
     gpos: list[int] = []
+    implicit: list[int] = []  # local tensors taken as broadcast under implicit_replication()
     for i, a in enumerate(flat):
         if isinstance(a, GT):
             spec = a._spec
@@ -212,6 +213,10 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
                 a.dim() == 0 and not a.requires_grad and _trusted_constant(func)
             ):
+                if local_constants.replicating():  # sbp.global_mode / implicit_replication
+                    implicit.append(i)
+                    key.append(None)
+                    continue
                 raise PlacementError(
                     f"{func}: mixes global tensors with a local torch.Tensor of shape "
                     f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp)), "
@@ -222,6 +227,8 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             key.append(float)
         else:
             key.append(a)
+    if implicit:
+        local_constants.replicate_locals(func, flat, implicit, key, gpos, placement)
     return tuple(key), gpos
 
 

@@ -63,8 +63,27 @@ def reshape(call: Call) -> list[Strategy]:
         off = len(out_shape) - len(in_shape)
         pairs = [(a, a + off) for a, s in enumerate(in_shape) if s == out_shape[a + off]]
     else:
-        pairs = kept_dims(in_shape, out_shape)
+        pairs = kept_dims(in_shape, out_shape) + evenly_merged_dims(call, in_shape, out_shape)
     return mapped(pairs, 1)
+
+
+def evenly_merged_dims(call: Call, in_shape, out_shape) -> list[tuple[int, int]]:
+    """(a, b) where output dim b starts where input dim a does (a flatten or unflatten of the
+    batch dim, say) and both divide evenly over a 1-D placement: each rank's contiguous part of
+    dim a is then exactly its part of dim b, so a split follows with no communication."""
+    n = call.placement.size
+    if call.placement.ndim != 1 or in_shape == out_shape:
+        return []
+    pairs = []
+    for a, size in enumerate(in_shape):
+        before = math.prod(in_shape[:a])
+        for b, osize in enumerate(out_shape):
+            if osize == 1 or math.prod(out_shape[:b]) != before:
+                continue
+            if osize != size and size % n == 0 and osize % n == 0:
+                pairs.append((a, b))
+            break
+    return pairs
 
 
 @register_strategy(aten.t, aten.transpose, aten.permute)

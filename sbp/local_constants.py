@@ -1,0 +1,187 @@
+"""Local constants inside models: the tensors model code makes for itself.
+
+Model code written for one process makes its own tensors in `forward`: position
+ids from `torch.arange`, causal masks, `torch.tensor([])` in a cache. On global
+tensors those are local, and mixing them with global ones is a `PlacementError`.
+Two opt-in ways make them safe, after OneFlow and DTensor:
+
+- `global_mode(placement, sbp)`: torch's factories (`torch.arange`, `zeros`,
+  `ones`, `full`, `empty`, `tensor`, ...) called inside return global tensors on
+  that placement and sbp, the value being what one process would make.
+- `implicit_replication()`: a local tensor mixed with global ones in an op is
+  taken as the `broadcast` value of the op's placement. Autograd saves the
+  local tensor itself, so a backward that uses it (the other factor of a
+  product, say) must run inside the mode too, as with DTensor's.
+
+A `global_mode` also replicates the local tensors that still meet global ones.
+Both trust every rank to make the same value, as SPMD code does. `check=True`
+verifies it: each such value's hash is all-gathered over the placement and a
+value that differs between ranks raises `MetaMismatchError` on every rank.
+Factories called by sbp's own machinery (boxing, collectives) stay local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from sbp import comm, env
+from sbp.boxing.executor import empty_local, local_device
+from sbp.errors import PlacementError
+from sbp.layout import GlobalSpec
+from sbp.placement import placement as Placement
+from sbp.signature import broadcast, normalize_nd_sbp
+
+# Factories a global_mode makes global. Random ones are left out on purpose: use
+# sbp.randn and friends, whose value does not depend on the layout.
+FACTORIES = frozenset(
+    {
+        torch.arange,
+        torch.zeros,
+        torch.ones,
+        torch.full,
+        torch.empty,
+        torch.tensor,
+        torch.as_tensor,
+        torch.linspace,
+        torch.eye,
+        torch.scalar_tensor,
+    }
+)
+
+_replicating: list[bool] = []  # a stack: one entry per active implicit_replication
+
+
+def replicating() -> bool:
+    """Is an `implicit_replication()` active? (read by the dispatcher's argument scan)"""
+    return bool(_replicating)
+
+
+def _checking() -> bool:
+    return bool(_replicating) and _replicating[-1]
+
+
+# ---------------------------------------------------------------- the cross-rank check
+
+
+def value_hash(t: torch.Tensor) -> str:
+    """A cheap fingerprint of a local value, equal across processes for equal values."""
+    data = t.detach().to("cpu").contiguous()
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((tuple(data.shape), data.dtype)).encode())
+    h.update(data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+def check_same_on_ranks(t: torch.Tensor, P: Placement, what: str) -> None:
+    """Raise `MetaMismatchError` on every rank of `P` if `t` differs between them."""
+    if env.get_rank() in P:
+        comm.exchange({"local value hash": value_hash(t)}, tuple(P.flat_ranks), what=what)
+
+
+# ---------------------------------------------------------------- implicit replication
+
+
+@contextlib.contextmanager
+def implicit_replication(check: bool = False) -> Iterator[None]:
+    """Inside, a local tensor mixed with global tensors in an op is the broadcast value of the
+    op's placement (DTensor's `implicit_replication`). With `check=True`, every such value is
+    compared across the placement's ranks first (one small all-gather per use)."""
+    _replicating.append(bool(check))
+    try:
+        yield
+    finally:
+        _replicating.pop()
+
+
+def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: list[int], P) -> None:
+    """In place: the local tensors at `positions` of `flat` become broadcast global tensors on
+    `P`, with their specs in the decision key and their positions among the global ones."""
+    from sbp.tensor import GlobalTensor
+
+    if P is None:
+        raise PlacementError(f"{func}: implicit_replication needs a global input to place on")
+    inside = env.get_rank() in P
+    for i in positions:
+        a = flat[i]
+        if a.requires_grad:
+            raise PlacementError(
+                f"{func}: a local tensor of shape {tuple(a.shape)} that requires grad cannot be "
+                "replicated implicitly (its gradient would be lost); make it global first"
+            )
+        spec = GlobalSpec(P, (broadcast,) * P.ndim, tuple(a.shape), a.dtype)
+        if _checking():
+            check_same_on_ranks(a, P, f"the local tensor argument {i} of {func}")
+        local = a.to(local_device(P.type)) if inside else empty_local(spec)
+        flat[i] = GlobalTensor(local, spec)
+        key[i + 1] = spec
+    gpos[:] = sorted([*gpos, *positions])
+
+
+# ---------------------------------------------------------------- global mode
+
+
+def _called_by_sbp() -> bool:
+    """Is sbp's own machinery (not a user's script or test helper) on the call stack?"""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("sbp.") and not name.startswith(("sbp.testing", __name__)):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stays_local(kwargs: dict) -> bool:
+    """Meta tensors (shape-only model set-up) and writes into a given `out=` stay as asked."""
+    device = kwargs.get("device")
+    return "out" in kwargs or (device is not None and torch.device(device).type == "meta")
+
+
+class _GlobalFactories(TorchFunctionMode):
+    def __init__(self, placement: Placement, sbp: Any, check: bool):
+        super().__init__()
+        self.placement, self.sbp, self.check = placement, sbp, check
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in FACTORIES or _stays_local(kwargs) or _called_by_sbp():
+            return func(*args, **kwargs)
+        from sbp.factories import from_logical
+
+        P = self.placement
+        requires_grad = kwargs.pop("requires_grad", False)
+        kwargs["device"] = local_device(P.type)
+        value = func(*args, **kwargs)
+        if self.check:
+            check_same_on_ranks(value, P, f"the value of {func.__name__} in global_mode")
+        nd = normalize_nd_sbp(self.sbp, P.ndim, value.dim())
+        return from_logical(value, P, nd, requires_grad=requires_grad)
+
+
+@contextlib.contextmanager
+def global_mode(placement: Placement, sbp: Any = None, *, check: bool = False) -> Iterator[None]:
+    """Inside, torch's factories (`FACTORIES`) make global tensors on `placement` with `sbp`
+    (default: broadcast), OneFlow's `global_mode`: the logical value is what one process
+    makes. Local tensors that still meet global ones (made before the mode, or by torch's
+    C++ code, such as the 0-dim fill values of a boolean attention mask) are replicated as
+    under `implicit_replication`. With `check=True`, each value is compared across the
+    placement's ranks first."""
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"global_mode: placement must be an sbp.placement, got {placement!r}")
+    if sbp is None:
+        sbp = (broadcast,) * placement.ndim
+    placement.check_in_world(env.get_world_size())
+    normalize_nd_sbp(sbp, placement.ndim)  # a bad sbp fails here, not at the first factory
+    _replicating.append(bool(check))  # constants torch makes in C++ (no factory call) too
+    try:
+        with _GlobalFactories(placement, sbp, check):
+            yield
+    finally:
+        _replicating.pop()

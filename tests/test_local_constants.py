@@ -1,0 +1,175 @@
+"""Local constants made inside models: `sbp.global_mode` and `sbp.implicit_replication`, against
+single-process torch on the logical tensors, and their checking mode."""
+
+from __future__ import annotations
+
+import torch
+
+import sbp
+
+S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
+
+
+class PositionalModel(torch.nn.Module):
+    """Single-process model code that makes its own local tensors in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Embedding(6, 4)
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):  # x: (batch, 6, 4)
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        causal = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
+        h = x + self.pos(positions)
+        scores = h @ h.transpose(1, 2) + causal + torch.tensor(0.5)
+        return self.proj(torch.softmax(scores, -1) @ h)
+
+
+def _model_pair():
+    torch.manual_seed(0)
+    ref = PositionalModel().double()
+    m = PositionalModel().double()
+    m.load_state_dict(ref.state_dict())
+    return ref, m
+
+
+def _global_mode_training():
+    """Two SGD steps of the model under global_mode equal one process; factories give global
+    tensors with the mode's placement and sbp; sbp's own collectives stay local inside."""
+    P_ = sbp.placement.all("cpu")
+    ref, m = _model_pair()
+    m.to_global(P_, B)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    errors = []
+    for _ in range(2):
+        x = torch.randn(4, 6, 4, dtype=torch.float64)
+        with sbp.global_mode(P_, check=True):
+            out = m(sbp.tensor(x, P_, S0))
+            loss = (out**2).mean()
+            full = out.full_tensor()  # a collective inside the mode still works
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        ref_out = ref(x)
+        ref_loss = (ref_out**2).mean()
+        ref_loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        if not torch.allclose(full, ref_out.detach(), rtol=1e-10):
+            errors.append("full_tensor inside global_mode differs")
+        if abs(loss.item() - ref_loss.item()) > 1e-12:
+            errors.append(f"loss {loss.item()} != {ref_loss.item()}")
+    for name, p in m.named_parameters():
+        if not torch.allclose(p.full_tensor(), dict(ref.named_parameters())[name], rtol=1e-10):
+            errors.append(f"{name} differs after training")
+    with sbp.global_mode(P_, S0):
+        z = torch.zeros(4, 3)
+        a = torch.arange(6)
+    made_before, ones = torch.arange(3.0), sbp.ones(4, 3, placement=P_, sbp=S0)
+    with sbp.global_mode(P_):
+        t = torch.tensor([[1.0, 2.0]], requires_grad=True)
+        u = ones * made_before  # a local tensor made before the mode: replicated
+    errors += [] if u.full_tensor().tolist() == [[0.0, 1.0, 2.0]] * 4 else ["mixed local"]
+    errors += [] if isinstance(z, sbp.GlobalTensor) and z.sbp == (S0,) else ["zeros not split"]
+    errors += [] if a.full_tensor().tolist() == list(range(6)) else ["arange value"]
+    errors += [] if t.sbp == (B,) and t.requires_grad and t.is_leaf else ["tensor()"]
+    errors += [] if not isinstance(torch.zeros(2), sbp.GlobalTensor) else ["mode leaked"]
+    return errors
+
+
+def test_global_mode_trains_like_one_process(pool2):
+    for rank, errors in enumerate(pool2.run(_global_mode_training)):
+        assert not errors, f"rank {rank}: {errors}"
+
+
+def _implicit_replication():
+    P_ = sbp.placement.all("cpu")
+    torch.manual_seed(2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    bias = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    g = sbp.tensor(x, P_, S0).requires_grad_()
+    with sbp.implicit_replication(check=True):
+        y = (g + bias) * torch.arange(3.0, dtype=torch.float64)
+        z = torch.cat([g, torch.ones(5, 1, dtype=torch.float64)], 1)
+        (y.sum() + z.sum()).backward()  # mul's backward meets the saved local arange again
+    ref = x.clone().requires_grad_()
+    ry = (ref + bias) * torch.arange(3.0, dtype=torch.float64)
+    rz = torch.cat([ref, torch.ones(5, 1, dtype=torch.float64)], 1)
+    (ry.sum() + rz.sum()).backward()
+    same = (
+        torch.equal(y.full_tensor(), ry.detach()),
+        torch.equal(z.full_tensor(), rz.detach()),
+        torch.equal(g.grad.full_tensor(), ref.grad),
+    )
+    messages = []
+    for f in (
+        lambda: g + bias,  # outside the mode: still an error
+        lambda: _replicate(g, torch.ones(3, requires_grad=True)),  # its grad would be lost
+    ):
+        try:
+            f()
+            messages.append("no error")
+        except sbp.PlacementError as e:
+            messages.append(str(e))
+    return same, messages
+
+
+def _replicate(g, local):
+    with sbp.implicit_replication():
+        return g + local
+
+
+def test_implicit_replication_treats_locals_as_broadcast(pool2):
+    for same, (outside, grad) in pool2.run(_implicit_replication):
+        assert same == (True, True, True)
+        assert "local torch.Tensor" in outside
+        assert "requires grad" in grad
+
+
+def _differing_local_values():
+    """A 'constant' that differs between ranks: every rank raises MetaMismatchError."""
+    P_ = sbp.placement.all("cpu")
+    rank = sbp.env.get_rank()
+    g = sbp.ones(4, 2, placement=P_, sbp=S0)
+    out = []
+    for f in (
+        lambda: _replicate_checked(g, torch.full((2,), float(rank == 1))),
+        lambda: _global_mode_checked(P_, lambda: torch.tensor([1.0, rank])),
+        lambda: _replicate_checked(g, torch.full((2,), 3.0)).full_tensor().tolist(),
+    ):
+        try:
+            out.append(f())
+        except sbp.MetaMismatchError as e:
+            out.append(f"MetaMismatchError: {e}")
+    return out
+
+
+def _replicate_checked(g, local):
+    with sbp.implicit_replication(check=True):
+        return g + local
+
+
+def _global_mode_checked(P_, make):
+    with sbp.global_mode(P_, check=True):
+        return make()
+
+
+def test_check_mode_catches_a_local_value_that_differs_between_ranks(pool2):
+    for replicated, factory, same in pool2.run(_differing_local_values):
+        assert replicated.startswith("MetaMismatchError") and "aten.add" in replicated
+        assert factory.startswith("MetaMismatchError") and "tensor" in factory
+        assert same == [[4.0, 4.0]] * 4  # equal values pass the check
+
+
+def test_global_mode_checks_its_arguments():
+    for bad in (
+        lambda: sbp.global_mode([0, 1]).__enter__(),
+        lambda: sbp.global_mode(sbp.placement("cpu", [0]), sbp=(B, B)).__enter__(),
+    ):
+        try:
+            bad()
+        except sbp.SbpError as e:
+            assert "placement" in str(e) or "sbp" in str(e)
+        else:
+            raise AssertionError("no error")
