@@ -81,20 +81,17 @@ def worker(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
         source[f"layer{i}.weight"] = sbp.to_global(local, P, sbp.split(0), shape=shape)
 
     def as_dtensors(state):
+        """DTensors on the same local storage (methods run one at a time): half the memory."""
         return {
             k: DTensor.from_local(
-                v.to_local().clone(),
-                mesh,
-                [Shard(0)],
-                run_check=False,
-                shape=v.shape,
-                stride=(COLS, 1),
+                v.to_local(), mesh, [Shard(0)], run_check=False, shape=v.shape, stride=(COLS, 1)
             )
             for k, v in state.items()
         }
 
     dsource = as_dtensors(source)
-    target, dtarget = global_zeros(), as_dtensors(global_zeros())
+    target = global_zeros()
+    dtarget = as_dtensors(target)
     root = Path(cfg["dir"])
     paths = {"sbp dcp": root / "sbp", "dtensor dcp": root / "dtensor", "torch 1rk": root / "t.pt"}
 
@@ -125,9 +122,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
     on_disk = {m: _dir_bytes(paths[m]) for m in METHODS}
     checks = {}
     for name in METHODS:  # each load, from zeros, gives back the saved shards
-        for v in target.values():
-            v.to_local().zero_()
-        for v in dtarget.values():
+        for v in target.values():  # dtarget shares these
             v.to_local().zero_()
         loads[name]()
         got = dtarget if name == "dtensor dcp" else target
@@ -135,6 +130,8 @@ def worker(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
         checks[name] = common.max_over_ranks([0.0 if ok else 1.0]) == [0.0]
     load_t = common.time_methods(loads, warmup, rounds)
     peak = common.max_over_ranks([_peak_rss_mib()])[0]
+    total = torch.tensor([_peak_rss_mib()], dtype=torch.float64)
+    dist.all_reduce(total)
     if rank != 0:
         return
     rows = []
@@ -149,6 +146,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
                     "bytes_on_disk": on_disk[name],
                     "check": checks[name],
                     "peak_rss_mib_max_rank": peak,
+                    "peak_rss_mib_sum_ranks": total.item(),
                     **timings[name].as_dict(),
                 }
             )
