@@ -31,6 +31,7 @@ SAVED = {
     "p": ((5, 3), W4, (PS,)),
     "s0s1": ((7, 9), W22, (S0, S1)),
     "bs1": ((3, 10), W22, (B, S1)),
+    "scalar": ((), W4, (B,)),
 }
 
 # Loads: name -> (ranks, nd_sbp) per world.
@@ -57,6 +58,7 @@ LOAD_2 = {
     "p": ([0, 1], (PS,)),
     "s0s1": ([[0], [1]], (S1, S0)),
     "bs1": ([0, 1], (S0,)),
+    "scalar": ([1, 0], (B,)),
 }
 LOAD_1 = {name: ([0], (S1,) if name == "s1" else (B,)) for name in SAVED}
 
@@ -64,7 +66,7 @@ LOAD_1 = {name: ([0], (S1,) if name == "s1" else (B,)) for name in SAVED}
 def _logical(name: str) -> torch.Tensor:
     shape = SAVED[name][0]
     g = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
 
 
 def _make(name: str) -> sbp.GlobalTensor:
@@ -89,9 +91,8 @@ def _load_all(directory: str, targets: dict) -> dict:
     state = {}
     for name, (ranks, nd) in targets.items():
         shape = SAVED[name][0]
-        state[name] = sbp.zeros(
-            *shape, placement=sbp.placement("cpu", ranks), sbp=nd, dtype=torch.float64
-        )
+        zeros = torch.zeros(shape, dtype=torch.float64)  # sbp.zeros(()) fails in factories
+        state[name] = sbp.tensor(zeros, placement=sbp.placement("cpu", ranks), sbp=nd)
     sbp.checkpoint.load(state, directory)
     out = {}
     for name, g in state.items():
@@ -130,10 +131,18 @@ def saved4(tmp_path_factory, pool4):
 def test_each_rank_writes_its_own_shards_and_replicas_once(saved4):
     chunks = _stored_chunks(saved4)
     P4 = sbp.placement("cpu", W4)
-    for name in ("s0", "s1"):  # one chunk per rank, written by that rank
+    # torch.save's cost per chunk, from the 1-chunk tensors (+ up to 63 B of data alignment)
+    header = max(length - _logical(n).nbytes for n in ("b", "p") for _, _, length in chunks[n])
+    assert 0 < header < 2048
+    header += 64
+    for name in ("s0", "s1"):  # one chunk per rank, written by that rank: its own shard
         shape, _, nd = SAVED[name]
-        want = {tuple(s.start for s in sbp.local_slices(shape, P4, nd, r)): r for r in range(4)}
+        slices = {r: sbp.local_slices(shape, P4, nd, r) for r in range(4)}
+        want = {tuple(s.start for s in slices[r]): r for r in range(4)}
         assert {offset: rank for offset, rank, _ in chunks[name]} == want
+        for _, rank, length in chunks[name]:
+            shard_bytes = _logical(name)[slices[rank]].nbytes
+            assert shard_bytes <= length <= shard_bytes + header
     P22 = sbp.placement("cpu", W22)
     want = {
         tuple(s.start for s in sbp.local_slices((7, 9), P22, (S0, S1), c))
@@ -144,10 +153,7 @@ def test_each_rank_writes_its_own_shards_and_replicas_once(saved4):
     # (B, S(1)) tensor one chunk per S(1) part, not one per rank.
     assert len(chunks["b"]) == 1 and len(chunks["p"]) == 1
     assert sorted(offset for offset, _, _ in chunks["bs1"]) == [(0, 0), (0, 5)]
-    # Bytes: each tensor's data is written once in all; torch.save adds a fixed header per
-    # chunk (measured below from the 1-chunk tensors), so no chunk carries a replica.
-    header = max(length - _logical(n).nbytes for n in ("b", "p") for _, _, length in chunks[n])
-    assert 0 < header < 2048
+    # Bytes: each tensor's data is written once in all (no chunk carries a replica).
     per_rank = defaultdict(int)
     for name, items in chunks.items():
         assert sum(length for _, _, length in items) <= _logical(name).nbytes + header * len(items)
