@@ -130,6 +130,7 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
         partials.append((t, tmp))
         return tmp
 
+    _check_exists(checkpoint_dir)
     for v in state.values():
         if isinstance(v, torch.optim.Optimizer):
             _init_optimizer_state(v)
@@ -208,6 +209,23 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _check_exists(checkpoint_dir: str | os.PathLike) -> None:
+    """Every rank learns which ranks see no checkpoint there, and all raise alike."""
+    d = os.fspath(checkpoint_dir)
+    missing = not (os.path.isdir(d) and any(n.endswith(".metadata") for n in os.listdir(d)))
+    flags = [missing]
+    if env.is_distributed():
+        import torch.distributed as dist
+
+        flags = [None] * env.get_world_size()
+        dist.all_gather_object(flags, missing)
+    if any(flags):
+        ranks = [r for r, f in enumerate(flags) if f]
+        raise CheckpointError(
+            f"sbp.checkpoint.load({d!r}): no checkpoint there (no .metadata file) on ranks {ranks}"
+        )
+
+
 def _run(fn: Any, sd: dict, checkpoint_dir: str | os.PathLike, what: str) -> None:
     """Run dcp.save/load; a failure on any rank becomes one clear error on every rank.
 
@@ -226,8 +244,9 @@ def _run(fn: Any, sd: dict, checkpoint_dir: str | os.PathLike, what: str) -> Non
     except CheckpointException as e:
         lines = []
         for rank, (exc, _trace) in sorted(e.failures.items()):
-            text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-            lines.append(f"  rank {rank}: {text[0][:400] if text else type(exc).__name__}")
+            text = str(exc).strip().splitlines()
+            text = text[0][:400] if text else "a file ends early: a truncated checkpoint?"
+            lines.append(f"  rank {rank}: {type(exc).__name__}: {text}")
         raise CheckpointError(
             f"sbp.checkpoint.{what}({os.fspath(checkpoint_dir)!r}) failed on ranks "
             f"{sorted(e.failures)}:\n" + "\n".join(lines)
@@ -285,16 +304,6 @@ def full_state_dict(obj: Any, *, rank: int | None = None) -> Any:
 
     out = _map_tensors(sd, plain)
     return out if rank is None or me == rank else {}
-
-
-def is_plain_value_for(g: GlobalTensor, src: Any) -> bool:
-    """Whether `g.copy_(src)` takes `src` as the logical value (see `copy_plain_value`)."""
-    return (
-        isinstance(src, torch.Tensor)
-        and not isinstance(src, GlobalTensor)
-        and src.dim() > 0
-        and not (torch.is_grad_enabled() and (g.requires_grad or src.requires_grad))
-    )
 
 
 def copy_plain_value(g: GlobalTensor, src: torch.Tensor, non_blocking: bool) -> GlobalTensor:

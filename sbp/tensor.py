@@ -140,10 +140,11 @@ class GlobalTensor(torch.Tensor):
     def copy_(self, src: torch.Tensor, non_blocking: bool = False):
         """A plain `src` (not 0-dim) is the logical value, the same on every rank: each rank
         copies its own part, no communication. So `model.load_state_dict(plain_sd)` works."""
-        from sbp import checkpoint
+        if isinstance(src, torch.Tensor) and not isinstance(src, GlobalTensor) and src.dim() > 0:
+            from sbp import checkpoint
 
-        if checkpoint.is_plain_value_for(self, src):
-            return checkpoint.copy_plain_value(self, src, non_blocking)
+            if not (torch.is_grad_enabled() and (self.requires_grad or src.requires_grad)):
+                return checkpoint.copy_plain_value(self, src, non_blocking)
         return super().copy_(src, non_blocking)
 
 

@@ -295,17 +295,24 @@ def test_train_3_steps_on_4_ranks_resume_3_on_2(opt_name, pool4, pool2, tmp_path
 # ---------------------------------------------------------------- failures
 
 
-def _load_expecting_error(directory: str) -> str:
+def _load_expecting_error(directory: str | list[str]) -> str:
+    if isinstance(directory, list):  # one directory per rank
+        directory = directory[sbp.env.get_rank()]
     g = sbp.zeros(7, 5, placement=sbp.placement.all("cpu"), sbp=S0, dtype=torch.float64)
     with pytest.raises(CheckpointError) as info:
         sbp.checkpoint.load({"s0": g}, directory)
     return str(info.value)
 
 
-def test_missing_checkpoint_is_an_error_on_every_rank(pool2, tmp_path):
+def test_missing_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path):
     messages = pool2.run(_load_expecting_error, str(tmp_path / "nothing-here"), timeout=60)
     for message in messages:
-        assert "nothing-here" in message and "failed on ranks [0, 1]" in message
+        assert "nothing-here" in message and "no checkpoint there" in message
+        assert "on ranks [0, 1]" in message
+    # Only rank 1 misses it (say, a disk not shared): rank 0 raises too instead of waiting.
+    dirs = [saved4, str(tmp_path / "nothing-here")]
+    for message in pool2.run(_load_expecting_error, dirs, timeout=60):
+        assert "no checkpoint there" in message and "on ranks [1]" in message
 
 
 def test_truncated_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path):
@@ -317,7 +324,7 @@ def test_truncated_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path)
         path = directory / victim
         path.write_bytes(path.read_bytes()[:100])
         for message in pool2.run(_load_expecting_error, str(directory), timeout=60):
-            assert "failed on ranks" in message
+            assert "failed on ranks" in message and victim.strip("._") in message
 
 
 # ---------------------------------------------------------------- plain hand-off
