@@ -139,15 +139,16 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
     with torch.no_grad():
         for target, tmp in partials:  # broadcast -> partial is local: no communication
             target._local.copy_(tmp.to_global(sbp=target.sbp)._local)
+    targets = {id(tmp): target for target, tmp in partials}
     for k, v in state.items():
+        loaded = _map_tensors(sd[k], lambda t: targets.get(id(t), t))
         if isinstance(v, torch.optim.Optimizer):
-            v.load_state_dict(_optimizer_keys_back(sd[k]))
-        elif isinstance(v, torch.nn.Module):
-            pass  # its state dict's tensors share storage with the module: loaded in place
+            v.load_state_dict(_optimizer_keys_back(loaded))
         elif hasattr(v, "load_state_dict") and hasattr(v, "state_dict"):
-            v.load_state_dict(sd[k])
+            v.load_state_dict(loaded)  # as dcp.load does: a module's tensors are loaded in
+            # place already, and this brings its non-tensor state and load hooks along
         elif not isinstance(v, torch.Tensor):
-            state[k] = sd[k]  # type: ignore[index]
+            state[k] = loaded  # type: ignore[index]
 
 
 def _state_dict_of(v: Any) -> Any:
