@@ -418,3 +418,38 @@ def test_torch_save_and_weights_only_load_of_a_global_tensor(pool2, tmp_path):
     # This process is a world of 1: ranks [0, 1] cannot exist here.
     with pytest.raises(sbp.PlacementError, match=r"needs ranks \[1\]"):
         torch.load(str(tmp_path / "rank0.pt"), weights_only=True)
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+    config.bos_token_id = config.eos_token_id = 0
+    return GPT2LMHeadModel(config)
+
+
+def _save_pretrained_from_rank_0(directory: str) -> None:
+    model = _tiny_gpt2()
+    P = sbp.placement.all("cpu")
+    with torch.no_grad():  # ranks start apart: to_global syncs them from rank 0
+        for p in model.parameters():
+            p.add_(sbp.env.get_rank())
+    model.to_global(P, B)
+    model.transformer.h[0].mlp.c_fc.weight = torch.nn.Parameter(
+        model.transformer.h[0].mlp.c_fc.weight.to_global(sbp=S1)
+    )
+    state = sbp.checkpoint.full_state_dict(model, rank=0)
+    if sbp.env.get_rank() == 0:
+        model.save_pretrained(directory, state_dict=state)
+
+
+def test_hugging_face_save_pretrained_of_a_global_model(pool2, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+
+    pool2.run(_save_pretrained_from_rank_0, str(tmp_path), timeout=300)
+    back = GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    want = _tiny_gpt2().state_dict()
+    for key, value in back.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0)
