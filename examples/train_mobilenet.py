@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--save", help="write a checkpoint (DCP directory) at the end")
+    parser.add_argument("--resume", help="continue from a checkpoint, on any number of ranks")
     args = parser.parse_args()
 
     sbp.manual_seed(0)
@@ -42,6 +44,7 @@ def main() -> None:
     model = torchvision.models.mobilenet_v2(num_classes=10)
     model.to_global(placement, sbp.broadcast)  # 1. parameters and buffers on every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    done = sbp.checkpoint.load_training_state(args.resume, model, optimizer)  # 0 if None
 
     start = time.perf_counter()
     for step, (x, y) in enumerate(loader):
@@ -54,6 +57,8 @@ def main() -> None:
         value = loss.item()  # every rank joins: the loss is a partial sum until reduced
         if rank == 0 and step % 2 == 0:
             print(f"step {step:3d}  loss {value:.4f}  global batch {tuple(x.shape)}")
+    if args.save:
+        sbp.checkpoint.save_training_state(args.save, model, optimizer, done + len(loader))
     if rank == 0:
         images = args.steps * args.batch_size * world
         print(f"{images / (time.perf_counter() - start):.0f} images/s on {world} ranks")

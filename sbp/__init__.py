@@ -1,6 +1,6 @@
 """`sbp`: OneFlow-style global tensors (placement + SBP signature) for PyTorch."""
 
-from sbp import boxing, env
+from sbp import boxing, checkpoint, env  # checkpoint: registers torch.load's safe global
 from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
@@ -61,6 +61,7 @@ __all__ = [
     "SbpSignatureError",
     "boxing",
     "broadcast",
+    "checkpoint",
     "comm_stats",
     "env",
     "local_shape",

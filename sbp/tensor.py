@@ -151,6 +151,38 @@ class GlobalTensor(torch.Tensor):
             return format(self.item(), spec)
         return format(str(self), spec)
 
+    # ------------------------------------------------------------ checkpoints (issue 11)
+    # DCP's checkpointable protocol (torch.distributed._checkpointable, as DTensor has it),
+    # pickling for torch.save/torch.load, and copy_ from a plain tensor (load_state_dict).
+    # The logic is in sbp/checkpoint.py.
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        from sbp import checkpoint
+
+        return checkpoint.write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        from sbp import checkpoint
+
+        return checkpoint.chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return self._local
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        from sbp import checkpoint
+
+        return checkpoint.reduce_global_tensor(self)
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False):
+        """A plain `src` (not 0-dim) is the logical value, the same on every rank: each rank
+        copies its own part, no communication. So `model.load_state_dict(plain_sd)` works."""
+        if isinstance(src, torch.Tensor) and not isinstance(src, GlobalTensor) and src.dim() > 0:
+            from sbp import checkpoint
+
+            if not (torch.is_grad_enabled() and (self.requires_grad or src.requires_grad)):
+                return checkpoint.copy_plain_value(self, src, non_blocking)
+        return super().copy_(src, non_blocking)
+
 
 def _dispatch(func, args, kwargs):
     """First call: bind sbp.ops.dispatch here (a per-op import statement costs ~0.6 us)."""

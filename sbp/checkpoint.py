@@ -1,0 +1,409 @@
+"""Checkpoints of global tensors: sharded through torch.distributed.checkpoint (DCP), or plain.
+
+Sharded: `GlobalTensor` speaks DCP's checkpointable protocol (as DTensor does). Each rank
+offers the chunk of the logical tensor it holds; DCP writes equal chunks (broadcast
+replicas) once in all, and on load each rank reads only the saved chunks that overlap
+the part it holds. So a checkpoint saved on N ranks loads on M ranks, into any
+placement and sbp. `save` / `load` add what DCP leaves to the caller: partial tensors
+are reduced before writing, optimizer state is created before loading into it, and a
+failure on any rank is one `CheckpointError` on every rank.
+
+Plain: `full_state_dict` gathers a global model's state to plain tensors (for
+`torch.save`, `save_pretrained`, one-process inference), and `model.load_state_dict` of
+plain tensors distributes each one by its parameter's sbp (see `GlobalTensor.copy_`).
+`torch.save` of a GlobalTensor pickles this rank's part; `torch.load(weights_only=True)`
+rebuilds it, and refuses where its placement cannot exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from sbp import env
+from sbp.boxing.executor import empty_local, local_device
+from sbp.errors import MetaMismatchError, PlacementError, SbpError, SbpSignatureError
+from sbp.layout import GlobalSpec
+from sbp.placement import placement as Placement
+from sbp.signature import (
+    SBP,
+    Partial,
+    Split,
+    broadcast,
+    format_nd_sbp,
+    is_all_broadcast,
+    partials_to_broadcast,
+)
+from sbp.tensor import GlobalTensor
+
+__all__ = [
+    "CheckpointError",
+    "full_state_dict",
+    "load",
+    "load_training_state",
+    "save",
+    "save_training_state",
+]
+
+
+class CheckpointError(SbpError, RuntimeError):
+    """A checkpoint could not be saved or loaded (missing, truncated, or not matching)."""
+
+
+# ---------------------------------------------------------------- DCP protocol
+
+
+def chunk_list(g: GlobalTensor) -> list:
+    """The chunk of the logical tensor this rank holds (none outside the placement)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    me = env.get_rank()
+    if me not in g.placement:
+        return []
+    if any(s.is_partial for s in g.sbp):
+        raise SbpSignatureError(
+            f"a GlobalTensor with sbp {format_nd_sbp(g.sbp)} holds partial values, which DCP "
+            "cannot write or read: use sbp.checkpoint.save/load (they reduce partials), or "
+            "convert it first with .to_global(sbp=...)"
+        )
+    ranges = g._spec.ranges(me)
+    return [
+        ChunkStorageMetadata(
+            offsets=torch.Size(a for a, _ in ranges), sizes=torch.Size(b - a for a, b in ranges)
+        )
+    ]
+
+
+def write_items(g: GlobalTensor, fqn: str) -> list:
+    """One SHARD write item for this rank's chunk; DCP keeps one of equal chunks (replicas)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    properties = TensorProperties.create_from_tensor(g._local)
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, chunk.offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=g.size()),
+        )
+        for chunk in chunk_list(g)
+    ]
+
+
+# ---------------------------------------------------------------- save / load
+
+
+def save(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+    """Write `state` to `checkpoint_dir` with DCP; every rank of the world calls it.
+
+    `state` maps names to modules, optimizers, (global) tensors and Python values. Each
+    rank writes only its own shards, a broadcast tensor is written once in all, and a
+    partial tensor is reduced first.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with torch.no_grad():
+        sd = {k: _map_tensors(_state_dict_of(v), _reduced) for k, v in state.items()}
+    _run(dcp.save, sd, checkpoint_dir, "save")
+
+
+def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+    """Load `checkpoint_dir` into `state` in place; every rank of the world calls it.
+
+    The checkpoint may come from another world size, placement or sbp: each rank reads
+    only the saved chunks that overlap what it holds. Modules and tensors are filled in
+    place, optimizers get `load_state_dict`, Python values are replaced in `state`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    partials: list[tuple[GlobalTensor, GlobalTensor]] = []
+
+    def loadable(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, GlobalTensor) or not any(s.is_partial for s in t.sbp):
+            return t
+        spec = t._spec._replace(nd_sbp=partials_to_broadcast(t.sbp))
+        local = t._local.new_empty(spec.local_shape(env.get_rank()))
+        tmp = GlobalTensor(local, spec)
+        partials.append((t, tmp))
+        return tmp
+
+    _check_exists(checkpoint_dir)
+    for v in state.values():
+        if isinstance(v, torch.optim.Optimizer):
+            _init_optimizer_state(v)
+    sd = {k: _map_tensors(_state_dict_of(v), loadable) for k, v in state.items()}
+    _run(dcp.load, sd, checkpoint_dir, "load")
+    with torch.no_grad():
+        for target, tmp in partials:  # broadcast -> partial is local: no communication
+            target._local.copy_(tmp.to_global(sbp=target.sbp)._local)
+    targets = {id(tmp): target for target, tmp in partials}
+    for k, v in state.items():
+        loaded = _map_tensors(sd[k], lambda t: targets.get(id(t), t))
+        if isinstance(v, torch.optim.Optimizer):
+            v.load_state_dict(_optimizer_keys_back(loaded))
+        elif hasattr(v, "load_state_dict") and hasattr(v, "state_dict"):
+            v.load_state_dict(loaded)  # as dcp.load does: a module's tensors are loaded in
+            # place already, and this brings its non-tensor state and load hooks along
+        elif not isinstance(v, torch.Tensor):
+            state[k] = loaded  # type: ignore[index]
+
+
+def _state_dict_of(v: Any) -> Any:
+    if isinstance(v, torch.optim.Optimizer):
+        osd = v.state_dict()
+        # DCP turns every key into a string; make that explicit, and undo it on load.
+        return {"state": {str(k): s for k, s in osd["state"].items()}, **_rest(osd, "state")}
+    if hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+        return v.state_dict()
+    return v
+
+
+def _rest(d: Mapping, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _optimizer_keys_back(osd: dict) -> dict:
+    return {"state": {int(k): s for k, s in osd["state"].items()}, **_rest(osd, "state")}
+
+
+def _reduced(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, GlobalTensor) and any(s.is_partial for s in t.sbp):
+        return t.to_global(sbp=partials_to_broadcast(t.sbp))
+    return t
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """`obj` with `fn` applied to every tensor in nested dicts and lists (new containers)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    return obj
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's state (momentum, moments, step) so that a load can fill it.
+
+    As torch.distributed.checkpoint.state_dict does: one step with zero gradients and a
+    learning rate of 0, which leaves the parameters as they are.
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _check_exists(checkpoint_dir: str | os.PathLike) -> None:
+    """Every rank learns which ranks see no checkpoint there, and all raise alike."""
+    d = os.fspath(checkpoint_dir)
+    missing = not (os.path.isdir(d) and any(n.endswith(".metadata") for n in os.listdir(d)))
+    flags = [missing]
+    if env.is_distributed():
+        import torch.distributed as dist
+
+        flags = [None] * env.get_world_size()
+        dist.all_gather_object(flags, missing)
+    if any(flags):
+        ranks = [r for r, f in enumerate(flags) if f]
+        raise CheckpointError(
+            f"sbp.checkpoint.load({d!r}): no checkpoint there (no .metadata file) on ranks {ranks}"
+        )
+
+
+def _run(fn: Any, sd: dict, checkpoint_dir: str | os.PathLike, what: str) -> None:
+    """Run dcp.save/load; a failure on any rank becomes one clear error on every rank.
+
+    DCP gathers each rank's exception of every phase (plan, read, write) to all ranks,
+    so no rank is left waiting in a collective.
+    """
+    import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            if not env.is_distributed():  # a world of 1 needs no process group; DCP knows
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            fn(sd, checkpoint_id=os.fspath(checkpoint_dir))
+    except CheckpointException as e:
+        lines = []
+        for rank, (exc, _trace) in sorted(e.failures.items()):
+            text = str(exc).strip().splitlines()
+            text = text[0][:400] if text else "a file ends early: a truncated checkpoint?"
+            lines.append(f"  rank {rank}: {type(exc).__name__}: {text}")
+        raise CheckpointError(
+            f"sbp.checkpoint.{what}({os.fspath(checkpoint_dir)!r}) failed on ranks "
+            f"{sorted(e.failures)}:\n" + "\n".join(lines)
+        ) from None
+
+
+# ---------------------------------------------------------------- resuming training
+
+
+def save_training_state(
+    checkpoint_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+) -> None:
+    """Save what resuming needs: model, optimizer and the number of steps done."""
+    save({"model": model, "optimizer": optimizer, "step": int(step)}, checkpoint_dir)
+
+
+def load_training_state(
+    checkpoint_dir: str | os.PathLike | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> int:
+    """Load a `save_training_state` checkpoint into `model` and `optimizer`; return its step.
+
+    With no directory (`--resume` not given) nothing is loaded and training starts at 0.
+    """
+    if checkpoint_dir is None:
+        return 0
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    load(state, checkpoint_dir)
+    return int(state["step"])
+
+
+# ---------------------------------------------------------------- plain tensors
+
+
+@torch.no_grad()
+def full_state_dict(obj: Any, *, rank: int | None = None) -> Any:
+    """Plain tensors of the logical values of a module's (or any nested) state dict.
+
+    `rank=None`: every rank gets them (all-gather). `rank=r`: only rank `r` does and the
+    others get an empty dict, so only one rank holds the whole model (a gather to `r`).
+    """
+    sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    me = env.get_rank()
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, GlobalTensor):
+            return t.detach()
+        if rank is None:
+            return t.full_tensor()
+        return t.to_global(Placement(t.placement.type, [rank]), broadcast).to_local()
+
+    out = _map_tensors(sd, plain)
+    return out if rank is None or me == rank else {}
+
+
+def copy_plain_value(g: GlobalTensor, src: torch.Tensor, non_blocking: bool) -> GlobalTensor:
+    """Distribute `src`, the logical value held whole on every rank, by `g`'s sbp.
+
+    Each rank copies the slice it holds; along a partial_sum dim the first rank holds the
+    value and the others zeros. No communication, so every rank must pass the same value.
+    """
+    me = env.get_rank()
+    if tuple(src.shape) != tuple(g.shape):
+        raise MetaMismatchError(
+            f"copy_: a plain source of shape {tuple(src.shape)} is taken as the logical value "
+            f"and must have the global tensor's shape {tuple(g.shape)}"
+        )
+    if me not in g.placement:
+        return g
+    coord = g.placement.coord(me)
+    if any(s == Partial("sum") and c != 0 for s, c in zip(g.sbp, coord, strict=True)):
+        g._local.zero_()
+    else:
+        part = src[tuple(slice(a, b) for a, b in g._spec.ranges(me))]
+        g._local.copy_(part, non_blocking=non_blocking)
+    return g
+
+
+# ---------------------------------------------------------------- torch.save / torch.load
+
+
+def reduce_global_tensor(g: GlobalTensor) -> tuple:
+    """`GlobalTensor.__reduce_ex__`: this rank's part plus plain metadata, so that
+    `torch.load(weights_only=True)` needs no class but `rebuild_global_tensor`."""
+    P = g.placement
+    return (
+        rebuild_global_tensor,
+        (
+            g._local.detach(),
+            P.type,
+            P.ranks,
+            tuple(_encode(s) for s in g.sbp),
+            tuple(g.shape),
+            g.requires_grad,
+            env.get_rank(),
+        ),
+    )
+
+
+def rebuild_global_tensor(
+    local: torch.Tensor,
+    device_type: str,
+    ranks: list,
+    nd_sbp: tuple,
+    shape: tuple,
+    requires_grad: bool,
+    saved_rank: int,
+) -> GlobalTensor:
+    """Unpickle a GlobalTensor in this process; `SbpError` where it cannot be the same one."""
+    P = Placement(device_type, ranks)
+    world, me = env.get_world_size(), env.get_rank()
+    missing = [r for r in P.flat_ranks if r >= world]
+    if missing:
+        raise PlacementError(
+            f"torch.load: a GlobalTensor saved on {P} needs ranks {missing}, which this world "
+            f"of {world} ranks does not have; to load on another number of ranks save with "
+            "sbp.checkpoint.save (DCP) or save plain tensors (sbp.checkpoint.full_state_dict)"
+        )
+    nd = tuple(_decode(c) for c in nd_sbp)
+    spec = GlobalSpec(P, nd, tuple(shape), local.dtype)
+    if me in P:
+        if saved_rank != me and not is_all_broadcast(nd):
+            raise MetaMismatchError(
+                f"torch.load on rank {me}: this GlobalTensor ({format_nd_sbp(nd)} on {P}) holds "
+                f"rank {saved_rank}'s part; load each rank's own file, or use sbp.checkpoint"
+            )
+        if tuple(local.shape) != spec.local_shape(me):
+            raise MetaMismatchError(
+                f"torch.load on rank {me}: local shape {tuple(local.shape)} does not match "
+                f"{spec.local_shape(me)} of logical shape {spec.shape} by {format_nd_sbp(nd)}"
+            )
+        local = local.to(local_device(P.type))
+    else:
+        local = empty_local(spec)
+    g = GlobalTensor(local, spec)
+    return g.requires_grad_(True) if requires_grad else g
+
+
+def _encode(s: SBP) -> tuple:
+    if isinstance(s, Split):
+        return ("S", s.dim)
+    if isinstance(s, Partial):
+        return ("P", s.op)
+    return ("B",)
+
+
+def _decode(code: tuple) -> SBP:
+    if code[0] == "S":
+        return Split(code[1])
+    if code[0] == "P":
+        return Partial(code[1])
+    return broadcast
+
+
+torch.serialization.add_safe_globals([rebuild_global_tensor])

@@ -1,0 +1,455 @@
+"""Checkpoints: saved on N ranks through torch.distributed.checkpoint (DCP), loaded on M.
+
+Worlds of 4 and 2 are the session's pools; a world of 1 is this pytest process itself
+(no process group, as a one-process user runs). A world of 3 is a 3-rank placement
+inside the world of 4 (ranks [1, 2, 3], and [2, 0, 1] for another rank order): the
+fourth rank still takes part in dcp.load, holds nothing and reads nothing. Starting a
+separate 3-process world would cost ~10 s of start-up on this 2-core box and exercise
+the same per-rank read plan (every rank reads the saved chunks overlapping its part).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+from sbp.checkpoint import CheckpointError
+
+S0, S1, B, PS = sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum
+W4, W22 = [0, 1, 2, 3], [[0, 1], [2, 3]]
+
+# name -> (logical shape, ranks, nd_sbp) as saved on 4 ranks; uneven over 2 and over 4.
+SAVED = {
+    "s0": ((7, 5), W4, (S0,)),
+    "s1": ((5, 9), W4, (S1,)),
+    "b": ((6, 4), W4, (B,)),
+    "p": ((5, 3), W4, (PS,)),
+    "s0s1": ((7, 9), W22, (S0, S1)),
+    "bs1": ((3, 10), W22, (B, S1)),
+    "scalar": ((), W4, (B,)),
+}
+
+# Loads: name -> (ranks, nd_sbp) per world.
+LOAD_4 = {
+    "s0": (W4, (S1,)),
+    "s1": (W22, (S0, S1)),
+    "b": ([3, 2, 1, 0], (S0,)),
+    "p": (W4, (PS,)),
+    "s0s1": (W22, (S1, S0)),
+    "bs1": (W4, (B,)),
+}
+LOAD_3 = {
+    "s0": ([1, 2, 3], (S1,)),
+    "s1": ([1, 2, 3], (S0,)),
+    "b": ([2, 0, 1], (B,)),
+    "p": ([1, 2, 3], (S0,)),
+    "s0s1": ([2, 0, 1], (S0,)),
+    "bs1": ([1, 2, 3], (S1,)),
+}
+LOAD_2 = {
+    "s0": ([0, 1], (S0,)),
+    "s1": ([1, 0], (B,)),
+    "b": ([0, 1], (S1,)),
+    "p": ([0, 1], (PS,)),
+    "s0s1": ([[0], [1]], (S1, S0)),
+    "bs1": ([0, 1], (S0,)),
+    "scalar": ([1, 0], (B,)),
+}
+LOAD_1 = {name: ([0], (S1,) if name == "s1" else (B,)) for name in SAVED}
+
+
+def _logical(name: str) -> torch.Tensor:
+    shape = SAVED[name][0]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _make(name: str) -> sbp.GlobalTensor:
+    """The saved tensor, built from its local parts (partial: rank r holds (r+1)/10 of it)."""
+    shape, ranks, nd = SAVED[name]
+    P = sbp.placement("cpu", ranks)
+    me = sbp.env.get_rank()
+    x = _logical(name)
+    if nd == (PS,):
+        local = x * (P.index(me) + 1) / 10
+    else:
+        local = x[sbp.local_slices(shape, P, nd, P.coord(me))]
+    return sbp.to_global(local.clone(), P, nd, shape=shape)
+
+
+def _save_all(directory: str) -> None:
+    sbp.checkpoint.save({name: _make(name) for name in SAVED}, directory)
+
+
+def _load_all(directory: str, targets: dict) -> dict:
+    """Load every saved tensor into zeros of the target placement and sbp; logical values."""
+    state = {}
+    for name, (ranks, nd) in targets.items():
+        shape = SAVED[name][0]
+        zeros = torch.zeros(shape, dtype=torch.float64)  # sbp.zeros(()) fails in factories
+        state[name] = sbp.tensor(zeros, placement=sbp.placement("cpu", ranks), sbp=nd)
+    sbp.checkpoint.load(state, directory)
+    out = {}
+    for name, g in state.items():
+        assert tuple(g.sbp) == targets[name][1]  # loaded in place: placement and sbp kept
+        full = g.full_tensor()
+        out[name] = full if sbp.env.get_rank() in g.placement else None
+    return out
+
+
+def _check_values(results: list[dict]) -> None:
+    for rank_values in results:
+        for name, got in rank_values.items():
+            if got is not None:
+                torch.testing.assert_close(got, _logical(name), rtol=1e-12, atol=1e-12)
+
+
+def _stored_chunks(directory: str) -> dict[str, list[tuple[tuple, int, int]]]:
+    """fqn -> [(global offsets, writing rank, bytes)] from the checkpoint's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(directory).read_metadata()
+    out = defaultdict(list)
+    for index, info in md.storage_data.items():
+        rank = int(os.path.basename(info.relative_path).split("_")[2])  # "__{rank}_{n}.distcp"
+        out[index.fqn].append((tuple(index.offset), rank, info.length))
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory, pool4):
+    directory = str(tmp_path_factory.mktemp("ckpt4"))
+    pool4.run(_save_all, directory)
+    return directory
+
+
+def test_each_rank_writes_its_own_shards_and_replicas_once(saved4):
+    chunks = _stored_chunks(saved4)
+    P4 = sbp.placement("cpu", W4)
+    # torch.save's cost per chunk, from the 1-chunk tensors (+ up to 63 B of data alignment)
+    header = max(length - _logical(n).nbytes for n in ("b", "p") for _, _, length in chunks[n])
+    assert 0 < header < 2048
+    header += 64
+    for name in ("s0", "s1"):  # one chunk per rank, written by that rank: its own shard
+        shape, _, nd = SAVED[name]
+        slices = {r: sbp.local_slices(shape, P4, nd, r) for r in range(4)}
+        want = {tuple(s.start for s in slices[r]): r for r in range(4)}
+        assert {offset: rank for offset, rank, _ in chunks[name]} == want
+        for _, rank, length in chunks[name]:
+            shard_bytes = _logical(name)[slices[rank]].nbytes
+            assert shard_bytes <= length <= shard_bytes + header
+    P22 = sbp.placement("cpu", W22)
+    want = {
+        tuple(s.start for s in sbp.local_slices((7, 9), P22, (S0, S1), c))
+        for c in [(0, 0), (0, 1), (1, 0), (1, 1)]
+    }
+    assert {offset for offset, _, _ in chunks["s0s1"]} == want
+    # Replicas: a broadcast tensor (and the reduced partial one) is one chunk in all, a
+    # (B, S(1)) tensor one chunk per S(1) part, not one per rank.
+    assert len(chunks["b"]) == 1 and len(chunks["p"]) == 1
+    assert sorted(offset for offset, _, _ in chunks["bs1"]) == [(0, 0), (0, 5)]
+    # Bytes: each tensor's data is written once in all (no chunk carries a replica).
+    per_rank = defaultdict(int)
+    for name, items in chunks.items():
+        assert sum(length for _, _, length in items) <= _logical(name).nbytes + header * len(items)
+        assert sum(length for _, _, length in items) >= _logical(name).nbytes
+        for _, rank, length in items:
+            per_rank[rank] += length
+    assert sorted(per_rank) == [0, 1, 2, 3]  # every rank wrote (DCP spreads the replicas)
+
+
+def test_load_on_4_ranks_into_other_placements_and_sbps(saved4, pool4):
+    _check_values(pool4.run(_load_all, saved4, LOAD_4))
+
+
+def test_load_on_3_ranks_of_4(saved4, pool4):
+    results = pool4.run(_load_all, saved4, LOAD_3)
+    _check_values(results)
+    assert results[0]["s0"] is None  # rank 0 is outside [1, 2, 3]: it holds nothing
+
+
+def test_load_on_2_ranks(saved4, pool2):
+    _check_values(pool2.run(_load_all, saved4, LOAD_2))
+
+
+def test_load_on_1_rank_in_this_process(saved4):
+    _check_values([_load_all(saved4, LOAD_1)])
+
+
+def _load_split_with_recorded_reads(directory: str) -> list[tuple]:
+    """Plain dcp.load (no sbp wrapper) of "s0" split(0) on 2 ranks; the saved chunks read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Recording(DefaultLoadPlanner):
+        def finish_plan(self, new_plan):
+            self.reads = [tuple(item.storage_index.offset) for item in new_plan.items]
+            return super().finish_plan(new_plan)
+
+    P = sbp.placement("cpu", [0, 1])
+    g = sbp.zeros(7, 5, placement=P, sbp=S0, dtype=torch.float64)
+    planner = Recording()
+    dcp.load({"s0": g}, checkpoint_id=directory, planner=planner)
+    torch.testing.assert_close(g.full_tensor(), _logical("s0"), rtol=0, atol=0)
+    return sorted(planner.reads)
+
+
+def test_each_rank_reads_only_the_chunks_it_needs(saved4, pool2):
+    # Saved split(0) of 7 rows on 4 ranks: rows [0,2) [2,4) [4,6) [6,7). Loaded on 2 ranks
+    # rank 0 holds rows [0,4) and rank 1 rows [4,7): each reads two of the four chunks.
+    reads = pool2.run(_load_split_with_recorded_reads, saved4)
+    assert reads == [[(0, 0), (2, 0)], [(4, 0), (6, 0)]]
+
+
+# ---------------------------------------------------------------- training resumes
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 10)
+        self.fc2 = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _model() -> MLP:
+    torch.manual_seed(3)
+    return MLP().double()
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randn(8, 6, generator=g, dtype=torch.float64),
+            torch.randn(8, 3, generator=g, dtype=torch.float64),
+        )
+        for _ in range(6)
+    ]
+
+
+def _train_global(opt_name: str, load_dir, save_dir: str, steps: range, split_fc1: bool):
+    """Data-parallel steps on the whole world; fc1.weight split(0) over ranks if asked."""
+    me, world = sbp.env.get_rank(), sbp.env.get_world_size()
+    P = sbp.placement("cpu", list(range(world)))
+    model = _model()
+    if split_fc1:
+        w = model.fc1.weight.detach()
+        model.fc1.weight = torch.nn.Parameter(sbp.tensor(w, placement=P, sbp=S0))
+    model.to_global(P, B)
+    opt = _optimizer(opt_name, model.parameters())
+    assert sbp.checkpoint.load_training_state(load_dir, model, opt) == steps.start
+    batches = _batches()
+    for i in steps:
+        x, y = batches[i]
+        part = sbp.local_slices(x.shape, P, S0, P.coord(me))
+        loss = F.mse_loss(model(sbp.to_global(x[part], P, S0)), sbp.to_global(y[part[:1]], P, S0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sbp.checkpoint.save_training_state(save_dir, model, opt, steps.stop)
+    return [p.full_tensor() for p in model.parameters()], tuple(model.fc1.weight.sbp)
+
+
+def _train_one_process(opt_name: str):
+    model = _model()
+    opt = _optimizer(opt_name, model.parameters())
+    for x, y in _batches():
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_train_3_steps_on_4_ranks_resume_3_on_2(opt_name, pool4, pool2, tmp_path):
+    """3 steps on 4 ranks (fc1.weight split), save, load on 2 ranks (all broadcast), 3 more:
+    the parameters equal 6 uninterrupted steps in one process (momentum, Adam moments and
+    step counts came through). The result also loads in this process (a world of 1)."""
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    _, sbp4 = pool4.run(_train_global, opt_name, None, a, range(0, 3), True)[0]
+    params, sbp2 = pool2.run(_train_global, opt_name, a, b, range(3, 6), False)[0]
+    assert (sbp4, sbp2) == ((S0,), (B,))
+    want = _train_one_process(opt_name)
+    for got, ref in zip(params, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    params1, _ = _train_global(opt_name, b, c, range(6, 6), True)
+    for got, ref in zip(params1, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _load_expecting_error(directory: str | list[str]) -> str:
+    if isinstance(directory, list):  # one directory per rank
+        directory = directory[sbp.env.get_rank()]
+    g = sbp.zeros(7, 5, placement=sbp.placement.all("cpu"), sbp=S0, dtype=torch.float64)
+    with pytest.raises(CheckpointError) as info:
+        sbp.checkpoint.load({"s0": g}, directory)
+    return str(info.value)
+
+
+def test_missing_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path):
+    messages = pool2.run(_load_expecting_error, str(tmp_path / "nothing-here"), timeout=60)
+    for message in messages:
+        assert "nothing-here" in message and "no checkpoint there" in message
+        assert "on ranks [0, 1]" in message
+    # Only rank 1 misses it (say, a disk not shared): rank 0 raises too instead of waiting.
+    dirs = [saved4, str(tmp_path / "nothing-here")]
+    for message in pool2.run(_load_expecting_error, dirs, timeout=60):
+        assert "no checkpoint there" in message and "on ranks [1]" in message
+
+
+def test_truncated_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path):
+    import shutil
+
+    for victim in ("__1_0.distcp", ".metadata"):
+        directory = tmp_path / victim.strip("._")
+        shutil.copytree(saved4, directory)
+        path = directory / victim
+        path.write_bytes(path.read_bytes()[:100])
+        for message in pool2.run(_load_expecting_error, str(directory), timeout=60):
+            assert "failed on ranks" in message and victim.strip("._") in message
+
+
+# ---------------------------------------------------------------- plain hand-off
+
+
+def _mixed_model(P) -> torch.nn.Module:
+    """fc1.weight split(0), fc2.weight split(1), biases broadcast."""
+    model = _model()
+    for layer, s in ((model.fc1, S0), (model.fc2, S1)):
+        layer.weight = torch.nn.Parameter(sbp.tensor(layer.weight.detach(), placement=P, sbp=s))
+    return model.to_global(P, B)
+
+
+def _hand_off(directory: str):
+    me = sbp.env.get_rank()
+    P = sbp.placement.all("cpu")
+    model = _mixed_model(P)
+    everywhere = sbp.checkpoint.full_state_dict(model)
+    on_zero = sbp.checkpoint.full_state_dict(model, rank=0)
+    if me == 0:
+        torch.save(on_zero, os.path.join(directory, "model.pt"))
+    torch.distributed.barrier()
+    # Another model with other values and sbps loads the plain file: each parameter is
+    # distributed by its own sbp.
+    torch.manual_seed(100 + me)
+    other = MLP().double()
+    other.fc1.weight = torch.nn.Parameter(
+        sbp.tensor(other.fc1.weight.detach(), placement=P, sbp=S1)
+    )
+    other.to_global(P, B)
+    plain = torch.load(os.path.join(directory, "model.pt"), weights_only=True)
+    other.load_state_dict(plain)
+    loaded = {k: v.full_tensor() for k, v in other.state_dict().items()}
+    types = {k: type(v).__name__ for k, v in everywhere.items()}
+    return everywhere, sorted(on_zero), loaded, types, tuple(other.fc1.weight.sbp)
+
+
+def test_full_state_dict_to_one_file_and_back_into_other_sbps(pool4, tmp_path):
+    want = _model().state_dict()
+    for rank, (everywhere, on_zero, loaded, types, sbp_fc1) in enumerate(
+        pool4.run(_hand_off, str(tmp_path))
+    ):
+        assert set(types.values()) == {"Tensor"}  # plain tensors, ready for torch.save
+        assert on_zero == (sorted(want) if rank == 0 else [])
+        assert sbp_fc1 == (S1,)
+        for key, value in want.items():
+            torch.testing.assert_close(everywhere[key], value, rtol=0, atol=0)
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+
+
+def _copy_plain_into_partial():
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    x = _logical("s0s1")
+    g = sbp.zeros(7, 9, placement=P, sbp=(PS, S1), dtype=torch.float64)
+    with torch.no_grad():
+        g.copy_(x)
+    return g.full_tensor()
+
+
+def test_copy_of_a_plain_value_into_a_partial_tensor(pool4):
+    for full in pool4.run(_copy_plain_into_partial):
+        torch.testing.assert_close(full, _logical("s0s1"), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- torch.save / torch.load
+
+
+def _pickle_round_trip(directory: str):
+    me = sbp.env.get_rank()
+    P = sbp.placement("cpu", [0, 1])
+    g = sbp.tensor(_logical("s0"), placement=P, sbp=S0).requires_grad_()
+    torch.save({"g": g}, os.path.join(directory, f"rank{me}.pt"))
+    torch.distributed.barrier()
+    back = torch.load(os.path.join(directory, f"rank{me}.pt"), weights_only=True)["g"]
+    other = os.path.join(directory, f"rank{1 - me}.pt")
+    with pytest.raises(sbp.MetaMismatchError, match="holds rank"):
+        torch.load(other, weights_only=True)
+    return (
+        type(back).__name__,
+        back.placement == P,
+        tuple(back.sbp),
+        back.requires_grad,
+        (back.full_tensor()),
+    )
+
+
+def test_torch_save_and_weights_only_load_of_a_global_tensor(pool2, tmp_path):
+    for name, same_placement, nd, grad, full in pool2.run(_pickle_round_trip, str(tmp_path)):
+        assert (name, same_placement, nd, grad) == ("GlobalTensor", True, (S0,), True)
+        torch.testing.assert_close(full.detach(), _logical("s0"), rtol=0, atol=0)
+    # This process is a world of 1: ranks [0, 1] cannot exist here.
+    with pytest.raises(sbp.PlacementError, match=r"needs ranks \[1\]"):
+        torch.load(str(tmp_path / "rank0.pt"), weights_only=True)
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+    config.bos_token_id = config.eos_token_id = 0
+    return GPT2LMHeadModel(config)
+
+
+def _save_pretrained_from_rank_0(directory: str) -> None:
+    model = _tiny_gpt2()
+    P = sbp.placement.all("cpu")
+    with torch.no_grad():  # ranks start apart: to_global syncs them from rank 0
+        for p in model.parameters():
+            p.add_(sbp.env.get_rank())
+    model.to_global(P, B)
+    model.transformer.h[0].mlp.c_fc.weight = torch.nn.Parameter(
+        model.transformer.h[0].mlp.c_fc.weight.to_global(sbp=S1)
+    )
+    state = sbp.checkpoint.full_state_dict(model, rank=0)
+    if sbp.env.get_rank() == 0:
+        model.save_pretrained(directory, state_dict=state)
+
+
+def test_hugging_face_save_pretrained_of_a_global_model(pool2, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+
+    pool2.run(_save_pretrained_from_rank_0, str(tmp_path), timeout=300)
+    back = GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    want = _tiny_gpt2().state_dict()
+    for key, value in back.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0)
