@@ -349,7 +349,7 @@ def _hand_off(directory: str):
     torch.distributed.barrier()
     # Another model with other values and sbps loads the plain file: each parameter is
     # distributed by its own sbp.
-    torch.manual_seed(100 + me)
+    torch.manual_seed(100)  # sbp.tensor takes the same logical value on every rank
     other = MLP().double()
     other.fc1.weight = torch.nn.Parameter(
         sbp.tensor(other.fc1.weight.detach(), placement=P, sbp=S1)
