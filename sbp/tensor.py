@@ -80,8 +80,8 @@ class GlobalTensor(torch.Tensor):
         dst = boxing.target_spec(self._spec, placement, sbp)
         dst.placement.check_in_world(env.get_world_size())
         grad = _grad_nd_sbp(self._spec, grad_sbp)
-        if dst == self._spec and grad == self._spec.nd_sbp:
-            return self
+        if dst == self._spec and (grad_sbp is None or grad == self._spec.nd_sbp):
+            return self  # a no-op costs nothing, a partial tensor's included
         return _Box.apply(self, dst, grad)
 
     def requires_grad_(self, requires_grad: bool = True):

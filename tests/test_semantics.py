@@ -99,3 +99,76 @@ def test_comm_stats_calls_count_collectives_only(pool4):
         if rank < 2:
             assert calls == 0 and nbytes == 0 and y == ref
             assert fallbacks == {"aten.cumsum.default": 1}
+
+
+# ---------------------------------------------------------------- item 4: leaf grads
+
+
+def _partial_leaf_grads():
+    P2 = sbp.placement("cpu", [[0, 1], [2, 3]])
+    w = _logical((4, 3), seed=1)
+    out = {}
+    for name, nd in {"PB": (P, B), "BP": (B, P), "PS1": (P, S1), "PP": (P, P)}.items():
+        leaf = sbp.tensor(w, P2, nd, requires_grad=True)
+        x = sbp.tensor(_logical((4, 3), seed=2), P2, (B, B))
+        with sbp.comm_stats() as st:
+            (leaf * x).sin().sum().backward()
+        out[name] = (leaf.grad.sbp, leaf.grad.full_tensor(), st.calls)
+    # a gradient that arrives partial on every hierarchy dim (a split batch, say)
+    g = _logical((4, 3), seed=3)
+    for name, nd in {"PB_from_PP": (P, B), "BP_from_PP": (B, P)}.items():
+        leaf = sbp.tensor(w, P2, nd, requires_grad=True)
+        (leaf * 1.0).backward(sbp.tensor(g, P2, (P, P)))
+        out[name] = (leaf.grad.sbp, leaf.grad.full_tensor(), None)
+    return out
+
+
+def test_leaf_grad_takes_the_leaf_sbp_partial_ones_included(pool4):
+    w = _logical((4, 3), seed=1).requires_grad_()
+    x = _logical((4, 3), seed=2)
+    (w * x).sin().sum().backward()
+    for r in pool4.run(_partial_leaf_grads):
+        for name, nd in {"PB": (P, B), "BP": (B, P), "PS1": (P, S1), "PP": (P, P)}.items():
+            got_sbp, got, _ = r[name]
+            assert got_sbp == nd, name
+            torch.testing.assert_close(got, w.grad)
+        for name, nd in {"PB_from_PP": (P, B), "BP_from_PP": (B, P)}.items():
+            got_sbp, got, _ = r[name]
+            assert got_sbp == nd, name
+            torch.testing.assert_close(got, _logical((4, 3), seed=3))
+
+
+# ---------------------------------------------------------------- item 6: no-op conversions
+
+
+def _no_op_conversions():
+    Pl = sbp.placement("cpu", [0, 1, 2, 3])
+    leaf = sbp.tensor(_logical((4, 3)), Pl, P, requires_grad=True)
+    with sbp.comm_stats() as st:
+        same = leaf.to_global(sbp=P)
+        (same * 2.0).backward(sbp.tensor(torch.ones(4, 3, dtype=torch.float64), Pl, P))
+    noop = (same is leaf, st.calls, leaf.grad.sbp, leaf.grad.full_tensor())
+
+    weight = _logical((10, 8), seed=4).requires_grad_()
+    idx = torch.tensor([[1, 2, 9], [0, 0, 5]])
+    w = sbp.tensor(weight.detach(), Pl, S1, requires_grad=True)
+    i = sbp.tensor(idx, Pl, B)
+    with sbp.comm_stats() as st:
+        out = torch.nn.functional.embedding(i, w)
+    forward_calls = st.calls
+    (out * out).sum().backward()
+    return noop, forward_calls, out.sbp, out.full_tensor(), w.grad.sbp, w.grad.full_tensor()
+
+
+def test_no_op_conversions_and_column_split_embedding_cost_nothing(pool4):
+    weight = _logical((10, 8), seed=4).requires_grad_()
+    idx = torch.tensor([[1, 2, 9], [0, 0, 5]])
+    out = torch.nn.functional.embedding(idx, weight)
+    (out * out).sum().backward()
+    for noop, calls, out_sbp, got, grad_sbp, grad in pool4.run(_no_op_conversions):
+        same, noop_calls, leaf_grad_sbp, leaf_grad = noop
+        assert same and noop_calls == 0 and leaf_grad_sbp == (P,)
+        torch.testing.assert_close(leaf_grad, torch.full((4, 3), 2.0, dtype=torch.float64))
+        assert calls == 0 and out_sbp == (sbp.split(2),) and grad_sbp == (S1,)
+        torch.testing.assert_close(got, out.detach())
+        torch.testing.assert_close(grad, weight.grad)
