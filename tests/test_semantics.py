@@ -172,3 +172,171 @@ def test_no_op_conversions_and_column_split_embedding_cost_nothing(pool4):
         assert calls == 0 and out_sbp == (sbp.split(2),) and grad_sbp == (S1,)
         torch.testing.assert_close(got, out.detach())
         torch.testing.assert_close(grad, weight.grad)
+
+
+# ---------------------------------------------------------------- item 9: allocation ops
+
+
+def _allocation_ops():
+    Pl = sbp.placement("cpu", [0, 1, 2])
+    x = sbp.tensor(_logical((5, 4)), Pl, S1)
+    p = sbp.tensor(_logical((5, 4)), Pl, P)
+    with sbp.comm_stats() as st:
+        made = {
+            "empty_strided": x.new_empty_strided((5, 4), (4, 1)),
+            "empty": x.new_empty((5, 4)),
+            "zeros": x.new_zeros((5, 4)),
+            "ones_other_shape": x.new_ones((2, 3)),
+            "full": x.new_full((5, 4), 7.0),
+            "partial": p.new_zeros((5, 4)),
+        }
+    kept = [made["empty_strided"].sbp, made["empty"].sbp]
+    out = {k: (t.sbp, t.full_tensor()) for k, t in made.items() if "empty" not in k}
+    calls_for_allocation = st.calls
+    # a split leaf whose gradient the caller still holds: autograd copies it into a new buffer
+    w = sbp.tensor(_logical((5, 4)), Pl, S1, requires_grad=True)
+    g = sbp.tensor(torch.full((5, 4), 3.0, dtype=torch.float64), Pl, S1)
+    with sbp.comm_stats() as st:
+        w.backward(g)
+    calls_for_allocation += st.calls
+    return out, kept, calls_for_allocation, w.grad.sbp, w.grad.full_tensor()
+
+
+def test_allocation_ops_keep_the_layout(pool4):
+    for rank, (out, kept, calls, grad_sbp, grad) in enumerate(pool4.run(_allocation_ops)):
+        assert kept == [(S1,), (S1,)] and out["partial"][0] == (B,)
+        assert out["zeros"][0] == (S1,) and out["ones_other_shape"][0] == (B,)
+        assert grad_sbp == (S1,) and calls == 0
+        if rank == 3:
+            continue
+        assert torch.equal(out["zeros"][1], torch.zeros(5, 4, dtype=torch.float64))
+        assert torch.equal(out["ones_other_shape"][1], torch.ones(2, 3, dtype=torch.float64))
+        assert torch.equal(out["full"][1], torch.full((5, 4), 7.0, dtype=torch.float64))
+        assert torch.equal(out["partial"][1], torch.zeros(5, 4, dtype=torch.float64))
+        torch.testing.assert_close(grad, torch.full((5, 4), 3.0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- item 10: outside ranks
+
+
+def _outside_ranks():
+    me = sbp.env.get_rank()
+    Pl = sbp.placement("cpu", [0, 1, 2])
+    value = _logical((6, 2))
+    local = (
+        value[sbp.local_slices((6, 2), Pl, S0, me)]
+        if me in Pl
+        else torch.zeros(9, dtype=torch.int8)
+    )
+    out = {}
+    for check in (True, False):
+        g = sbp.to_global(local, Pl, S0, check_meta=check)
+        b = sbp.to_global(
+            value if me in Pl else torch.ones(3, dtype=torch.int32), Pl, B, check_meta=check
+        )
+        out[check] = (tuple(g.shape), g.dtype, tuple(b.shape), b.dtype, g.tolist(), b.tolist())
+    return out
+
+
+def test_ranks_outside_the_placement_take_the_logical_dtype_and_shape(pool4):
+    value = _logical((6, 2))
+    for rank, out in enumerate(pool4.run(_outside_ranks)):
+        for check in (True, False):
+            shape, dtype, bshape, bdtype, g, b = out[check]
+            assert (shape, dtype, bshape, bdtype) == ((6, 2), torch.float64, (6, 2), torch.float64)
+            if rank < 3:
+                assert g == value.tolist() and b == value.tolist()
+
+
+# ---------------------------------------------------------------- item 5: module re-box
+
+
+def _rebox_module():
+    Pl = sbp.placement("cpu", [0, 1])
+    P4 = sbp.placement("cpu", [[0, 1], [2, 3]])
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6).double()
+    model = torch.nn.Sequential(lin, torch.nn.BatchNorm1d(6).double(), lin)
+    model.to_global(Pl, B)
+    out = model.to_global(P4, (B, B))  # another placement: parameters and buffers move
+    params = list(model.parameters())
+    moved = (
+        out is model,
+        model[0].weight is model[2].weight,
+        all(isinstance(p, torch.nn.Parameter) and p.placement == P4 for p in params),
+        model[1].running_var.placement == P4 and model[1].num_batches_tracked.placement == P4,
+    )
+    torch.manual_seed(0)
+    single = torch.nn.Linear(4, 6).double().to_global(Pl, B)
+    single.to_global(Pl, S0)  # another sbp: re-split
+    x = sbp.tensor(_logical((3, 4)), Pl, B)
+    single(x).sum().backward()
+    w = single.weight
+    return moved, (w.sbp, single.bias.sbp), w.full_tensor(), w.grad.sbp, w.grad.full_tensor()
+
+
+def test_module_to_global_on_a_global_module_reboxes(pool4):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6).double()
+    lin(_logical((3, 4))).sum().backward()
+    for rank, (moved, sbps, w, grad_sbp, grad) in enumerate(pool4.run(_rebox_module)):
+        assert moved == (True, True, True, True)
+        assert sbps == ((S0,), (S0,)) and grad_sbp == (S0,)
+        if rank < 2:
+            torch.testing.assert_close(w, lin.weight.detach())
+            torch.testing.assert_close(grad, lin.weight.grad)
+
+
+# ---------------------------------------------------------------- item 2: in-place init
+
+
+INITS = {
+    "normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0),
+    "uniform_": lambda t: torch.nn.init.uniform_(t, -3.0, 1.0),
+    "kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t, a=5**0.5),
+    "trunc_normal_": lambda t: torch.nn.init.trunc_normal_(t, std=0.7, a=-1.0, b=1.0),
+}
+LAYOUTS = {"S1": ("1d", (S1,)), "B": ("1d", (B,)), "BS0": ("2d", (B, S0)), "PS1": ("2d", (P, S1))}
+
+
+def _inplace_init():
+    # every rank in the placement: trunc_normal_ loops on `mask.any()`, a logical value
+    places = {
+        "1d": sbp.placement("cpu", [0, 1, 2, 3]),
+        "2d": sbp.placement("cpu", [[0, 1], [2, 3]]),
+    }
+    out = {}
+    for name, init in INITS.items():
+        for layout, (kind, nd) in LAYOUTS.items():
+            sbp.manual_seed(7)
+            t = sbp.zeros(40, 30, placement=places[kind], sbp=nd, dtype=torch.float64)
+            local_shape = tuple(t.to_local().shape)
+            with sbp.comm_stats() as st:
+                init(t)
+            kept = (t.sbp, tuple(t.to_local().shape) == local_shape, st.calls)
+            out[name, layout] = (kept, t.full_tensor())
+    return out
+
+
+def test_inplace_random_init_keeps_the_layout_and_the_value(pool4):
+    results = pool4.run(_inplace_init)
+    for name, init in INITS.items():
+        ref = torch.empty(40, 30, dtype=torch.float64)
+        init(ref)  # single-process torch: the distribution and its bounds
+        first = results[0][name, "S1"][1]
+        for r in results:
+            for layout, (_, nd) in LAYOUTS.items():
+                (got_sbp, same_local_shape, calls), value = r[name, layout]
+                expected_sbp = tuple(B if s == P else s for s in nd)
+                assert got_sbp == expected_sbp and same_local_shape, (name, layout)
+                # trunc_normal_'s rejection loop all-reduces one flag per round, nothing else
+                assert calls == 0 or (name == "trunc_normal_" and calls <= 20), (name, calls)
+                assert torch.equal(value, first), (name, layout)  # independent of the layout
+        lo, hi = ref.min().item(), ref.max().item()
+        if name in ("uniform_", "kaiming_uniform_", "trunc_normal_"):  # bounds by torch's formula
+            bound = {"uniform_": (-3.0, 1.0), "trunc_normal_": (-1.0, 1.0)}.get(name)
+            bound = bound or (-((1 / 30) ** 0.5), (1 / 30) ** 0.5)
+            assert bound[0] <= first.min() and first.max() <= bound[1], name
+            assert first.min() < lo + 0.1 * (hi - lo) and first.max() > hi - 0.1 * (hi - lo)
+        torch.testing.assert_close(first.mean(), ref.mean(), atol=0.15, rtol=0)
+        torch.testing.assert_close(first.std(), ref.std(), atol=0.1 * ref.std().item(), rtol=0)
