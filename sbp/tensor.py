@@ -92,6 +92,13 @@ class GlobalTensor(torch.Tensor):
             self.register_post_accumulate_grad_hook(gradients.post_accumulate_hook)
         return self
 
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """Basic indexing writes each rank's part of the logical slice (see sbp.setitem)."""
+        from sbp.setitem import setitem
+
+        if not setitem(self, index, value):
+            super().__setitem__(index, value)
+
     def full_tensor(self) -> torch.Tensor:
         """The logical value as a plain tensor on every rank of the placement."""
         return self.to_global(sbp=(broadcast,) * self.placement.ndim).to_local()

@@ -224,7 +224,7 @@ def _outside_ranks():
     Pl = sbp.placement("cpu", [0, 1, 2])
     value = _logical((6, 2))
     local = (
-        value[sbp.local_slices((6, 2), Pl, S0, me)]
+        value[tuple(sbp.local_slices((6, 2), Pl, S0, me))]
         if me in Pl
         else torch.zeros(9, dtype=torch.int8)
     )
@@ -340,3 +340,41 @@ def test_inplace_random_init_keeps_the_layout_and_the_value(pool4):
             assert first.min() < lo + 0.1 * (hi - lo) and first.max() > hi - 0.1 * (hi - lo)
         torch.testing.assert_close(first.mean(), ref.mean(), atol=0.15, rtol=0)
         torch.testing.assert_close(first.std(), ref.std(), atol=0.1 * ref.std().item(), rtol=0)
+
+
+# ---------------------------------------------------------------- item 12: slice assignment
+
+SETITEMS = [
+    ((slice(1, 4), 2), 7.0),
+    ((slice(None), slice(1, 6, 2)), [1.0, 2.0, 3.0]),
+    ((Ellipsis, 0), -1.0),
+    ((-1,), [float(v) for v in range(6)]),
+    ((slice(0, 5, 3), slice(4, None)), 9.0),
+]
+
+
+def _setitem():
+    P2 = sbp.placement("cpu", [[0, 1], [2, 3]])
+    out = {}
+    for nd in [(S0, S1), (S1, S0), (B, S0), (P, S1), (B, B)]:
+        g = sbp.tensor(torch.arange(30.0).reshape(5, 6), P2, nd)
+        with sbp.comm_stats() as st:
+            for index, value in SETITEMS:
+                g[index] = (
+                    sbp.tensor(torch.tensor(value), P2, (B, B))
+                    if isinstance(value, list)
+                    else value
+                )
+        out[nd] = (g.full_tensor(), g.sbp, st.calls)
+    return out
+
+
+def test_slice_assignment_writes_the_logical_slice(pool4):
+    ref = torch.arange(30.0).reshape(5, 6)
+    for index, value in SETITEMS:
+        ref[index] = torch.tensor(value)
+    for out in pool4.run(_setitem):
+        for nd, (got, got_sbp, calls) in out.items():
+            assert torch.equal(got, ref), nd
+            assert got_sbp == tuple(B if s == P else s for s in nd)
+            assert calls == (1 if P in nd else 0), nd  # a partial tensor is reduced once
