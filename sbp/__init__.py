@@ -32,7 +32,7 @@ def _install_methods() -> None:
         torch.Tensor.is_global = property(lambda self: False)
 
     def module_to_global(self, placement, sbp, **kwargs):
-        from sbp.tensor import module_to_global
+        from sbp.nn.module import module_to_global
 
         return module_to_global(self, placement, sbp, **kwargs)
 

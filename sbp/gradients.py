@@ -90,3 +90,166 @@ def _all_reduce_bucket(bucket: list, groups: list[tuple[int, ...]]) -> None:
         n = g._local.numel()
         g._local = flat[offset : offset + n].view(g._local.shape)
         offset += n
+
+
+# ---------------------------------------------------------------- overlapped reduction
+
+FIRST_BUCKET_BYTES = 2**20  # as torch DDP: a small first bucket starts communication early
+
+
+class Reducer:
+    """Sums local partial gradients of a fixed list of parameters over `ranks` while backward
+    runs, as torch DDP's Reducer does, and leaves each parameter's `.grad` in its own sbp.
+
+    The data-parallel fast path computes gradients on local leaves (`leaves[i]` stands for
+    `params[i]` on this rank). Buckets are fixed once, in reverse parameter order (about
+    the order backward makes gradients ready), so every rank builds the same buckets. A
+    bucket is launched asynchronously as soon as it and every bucket before it are full:
+    launching in bucket order keeps the collectives in the same order on every rank,
+    whatever order gradients arrive in. At the end of backward the rest is launched and
+    everything is waited for once. Parameters unused in this backward contribute zeros and
+    a zero "used" count, so a gradient stays None only where it was unused on every rank.
+    Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
+    becomes a `partial_sum` tensor, reduced together with the next synchronised backward.
+    """
+
+    def __init__(
+        self,
+        params: list,
+        leaves: list[torch.Tensor],
+        ranks: tuple[int, ...],
+        partial_nd: tuple,
+        bucket_bytes: int = BUCKET_BYTES,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+    ):
+        self.params, self.leaves, self.ranks, self.partial_nd = params, leaves, ranks, partial_nd
+        self.sync = True
+        self.trace: list | None = None  # set to a list to record ("ready", i) / ("launch", b)
+        self._buckets = _plan_buckets(leaves, bucket_bytes, first_bucket_bytes)
+        self._where = {}
+        for b, bucket in enumerate(self._buckets):
+            offset = 0
+            for i in bucket:
+                self._where[i] = (b, offset)
+                offset += leaves[i].numel()
+        self._reset()
+        for i, leaf in enumerate(leaves):
+            leaf.register_post_accumulate_grad_hook(self._hook(i))
+
+    def _reset(self) -> None:
+        self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._filled: set[int] = set()
+        self._missing = [len(b) for b in self._buckets]
+        self._pending: list = [None] * len(self._buckets)
+        self._next = 0
+        self._queued = False
+
+    def _hook(self, i: int):
+        ref = weakref.ref(self)
+        return lambda leaf: ref() is not None and ref()._ready(i, leaf)
+
+    def _ready(self, i: int, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if self.trace is not None:
+            self.trace.append(("ready", i))
+        if not self.sync:
+            self._keep_partial(i, grad)
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b, _ = self._where[i]
+        self._slot(i).copy_(grad.reshape(-1))
+        self._filled.add(i)
+        self._missing[b] -= 1
+        while self._next < len(self._buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _slot(self, i: int) -> torch.Tensor:
+        """Where parameter i's gradient goes in its bucket's flat buffer."""
+        b, offset = self._where[i]
+        if self._flat[b] is None:
+            members = self._buckets[b]
+            first = self.leaves[members[0]]
+            n = sum(self.leaves[j].numel() for j in members)
+            self._flat[b] = torch.empty(n + len(members), dtype=first.dtype, device=first.device)
+        return self._flat[b][offset : offset + self.leaves[i].numel()]
+
+    def _launch(self, b: int) -> None:
+        members = self._buckets[b]
+        used = []
+        for i in members:
+            slot, g = self._slot(i), self.params[i].grad
+            if g is not None and g._spec.nd_sbp == self.partial_nd:  # from no_sync steps
+                earlier = g._local.reshape(-1)
+                if i in self._filled:
+                    slot.add_(earlier)
+                else:
+                    slot.copy_(earlier)
+                self._filled.add(i)
+                self.params[i].grad = None
+            elif i not in self._filled:  # unused in this backward on this rank
+                slot.zero_()
+            used.append(1 if i in self._filled else 0)
+        flat = self._flat[b]
+        flat[flat.numel() - len(members) :].copy_(torch.tensor(used, dtype=flat.dtype))
+        if self.trace is not None:
+            self.trace.append(("launch", b))
+        self._pending[b] = comm.all_reduce_async(flat, "sum", self.ranks)
+        self._next = b + 1
+
+    def _finish(self) -> None:
+        from sbp.tensor import GlobalTensor
+
+        try:
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+            for b, members in enumerate(self._buckets):
+                flat = self._pending[b].wait()
+                used = flat[flat.numel() - len(members) :].tolist()
+                for j, i in enumerate(members):
+                    if used[j] == 0:
+                        continue
+                    p, (_, offset) = self.params[i], self._where[i]
+                    grad = flat[offset : offset + p._local.numel()].view(p._local.shape)
+                    if p.grad is None:
+                        p.grad = GlobalTensor(grad, p._spec._replace(dtype=grad.dtype))
+                    else:
+                        p.grad._local.add_(grad)
+        finally:
+            self._reset()
+
+    def _keep_partial(self, i: int, grad: torch.Tensor) -> None:
+        from sbp.tensor import GlobalTensor
+
+        p = self.params[i]
+        if p.grad is None:
+            spec = p._spec._replace(nd_sbp=self.partial_nd, dtype=grad.dtype)
+            p.grad = GlobalTensor(grad.detach().clone(), spec)
+        elif p.grad._spec.nd_sbp == self.partial_nd:
+            p.grad._local.add_(grad)
+        else:  # a whole gradient from before no_sync: add this rank's part once
+            whole = GlobalTensor(
+                grad.detach().clone(), p.grad._spec._replace(nd_sbp=self.partial_nd)
+            )
+            p.grad = p.grad.to_global(sbp=self.partial_nd) + whole
+
+
+def _plan_buckets(leaves: list, bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
+    """Indices of `leaves` per bucket: reverse order, one dtype and device per bucket."""
+    buckets: list[list[int]] = []
+    sizes: list[int] = []
+    open_by_kind: dict = {}
+    for i in reversed(range(len(leaves))):
+        leaf = leaves[i]
+        kind = (leaf.dtype, leaf.device)
+        nbytes = leaf.numel() * leaf.element_size()
+        b = open_by_kind.get(kind)
+        cap = first_bucket_bytes if len(buckets) == 0 or b == 0 else bucket_bytes
+        if b is None or (sizes[b] + nbytes > cap and buckets[b]):
+            buckets.append([])
+            sizes.append(0)
+            b = open_by_kind[kind] = len(buckets) - 1
+        buckets[b].append(i)
+        sizes[b] += nbytes
+    return buckets

@@ -1,8 +1,10 @@
 """Communication: process groups per rank set, collectives, metadata exchange, counters."""
 
 from sbp.comm.collectives import (
+    Pending,
     all_gather,
     all_reduce,
+    all_reduce_async,
     all_to_all,
     barrier,
     broadcast,
@@ -16,7 +18,9 @@ from sbp.comm.stats import CommStats, comm_stats
 __all__ = [
     "CommStats",
     "all_gather",
+    "Pending",
     "all_reduce",
+    "all_reduce_async",
     "all_to_all",
     "barrier",
     "broadcast",

@@ -65,6 +65,30 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     return tensor
 
 
+class Pending:
+    """A collective in flight (`all_reduce_async`); `wait()` returns its tensor."""
+
+    def __init__(self, work, tensor: torch.Tensor, kind: str, ranks: Ranks):
+        self.work, self.tensor, self.kind, self.ranks = work, tensor, kind, ranks
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            with _timeouts(self.kind, self.ranks):
+                self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
+    """Start reducing `tensor` in place over `ranks`; the caller waits on the result."""
+    if len(ranks) == 1:
+        return Pending(None, tensor, "all_reduce", ranks)
+    stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
+    with _timeouts("all_reduce", ranks):
+        work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks), async_op=True)
+    return Pending(work, tensor, "all_reduce", ranks)
+
+
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str, ranks: Ranks
 ) -> torch.Tensor:

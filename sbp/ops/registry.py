@@ -223,11 +223,18 @@ def _resolve(func):
     return rule
 
 
+# Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
+# objects with direct(func, decision), strategy(func, rule, specs, decision), custom(func, args).
+observers: list = []
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     flat, tree = flatten(args, kwargs)
     key, gpos = scan(func, flat)
     d = _cache.get(key)
     if d is not None and d.direct is not None:
+        if observers:
+            observers[-1].direct(func, d)
         # Cached and nothing to move: run the aten kernel on the locals (func._op skips
         # OpOverload.__call__) and wrap; ~6 us less per op than the general path.
         GT = _global_type()
@@ -243,6 +250,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if rule is _FALLBACK:
             _warn_fallback(func)
         return run_strategy(rule, func, flat, tree, key, gpos)
+    if observers:
+        observers[-1].custom(func, args)
     return rule(func, args, kwargs)
 
 
@@ -353,6 +362,8 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
         except NoMeta:
             return run_data_dependent(func, flat, tree, gpos)
+    if observers:
+        observers[-1].strategy(func, rule, [flat[i]._spec for i in gpos], d)
     inside = d.inside
     local_flat = list(flat)
     for i, req in zip(gpos, d.in_specs, strict=True):

@@ -1,0 +1,7 @@
+"""Modules on global tensors: the data-parallel fast path of `module.to_global`."""
+
+from sbp.nn import fast_path
+from sbp.nn.fast_path import data_parallel, no_sync
+from sbp.nn.module import module_to_global
+
+__all__ = ["data_parallel", "fast_path", "module_to_global", "no_sync"]

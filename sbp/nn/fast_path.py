@@ -1,0 +1,546 @@
+"""The data-parallel fast path: run a whole module on the local shards when that is exact.
+
+`model.to_global(P, broadcast)` makes every parameter and buffer broadcast; a
+batch made global with `split(0)` then flows through per-op dispatch, where
+every aten op finds that nothing has to move. For such a module the per-op
+work is pure overhead, so the module's forward runs once per input layout op
+by op under a watcher (`sbp.ops.registry.observers`) that checks every op is
+batch-separable: no input moved, no partial result, no op with its own
+cross-sample semantics other than BatchNorm and dropout, which this module
+reproduces on local tensors. If the check passes, every later call with that
+layout runs the module's own forward on local tensors:
+- parameters are replaced for the call by local leaves sharing their storage,
+  buffers by their local tensors (BatchNorm updates them in place);
+- `F.batch_norm` in train mode computes the logical batch's statistics
+  (`sbp.ops.batch_norm`: one all-reduce forward, one backward) or, with
+  `batch_norm="local"`, per-shard statistics as torch DDP does (running
+  statistics are then broadcast from the first rank, as DDP broadcasts buffers);
+  `F.dropout` draws the same masks as the per-op rule;
+- outputs are wrapped back into global tensors; the gradient arriving at a
+  broadcast output becomes a partial sum, so every local gradient is this
+  rank's share of the logical one;
+- the leaves' gradients are summed by `sbp.gradients.Reducer`, bucket by
+  bucket during backward, and land in each parameter's `.grad` in its sbp.
+Anything else (another layout, parameters that are not broadcast, a module
+whose check failed, ranks outside the placement) runs op by op as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from sbp import comm, env, gradients, random
+from sbp.layout import GlobalSpec
+from sbp.ops import batch_norm, registry
+from sbp.ops.basic import like, same_layout
+from sbp.placement import placement as Placement
+from sbp.signature import broadcast, partial_sum, split
+from sbp.tensor import GlobalTensor, box
+
+aten = torch.ops.aten
+ATTR = "_sbp_data_parallel"
+LAYOUTS = 64  # input layouts remembered per module (LRU)
+
+
+@dataclass
+class Layout:
+    """What the checking pass found for one input layout."""
+
+    ok: bool
+    reason: str = ""
+    out_specs: list = field(default_factory=list)  # GlobalSpec or a plain value, per output leaf
+    out_tree: Any = None
+    bn_counts: list[int] = field(default_factory=list)  # logical count of each train-mode BN
+    dropouts: int = 0  # random draws of dropout
+
+
+class _Check:
+    """Watches every op of the checking pass (see `sbp.ops.registry.observers`)."""
+
+    SAME_LAYOUT = (same_layout, like)
+    BATCH_NORM = aten.native_batch_norm.default
+    DROPOUT = (aten.native_dropout.default, aten.bernoulli_.float)
+
+    def __init__(self, data_nd: tuple):
+        self.data_nd = data_nd
+        self.reason = ""
+        self.bn_counts: list[int] = []
+        self.dropouts = 0
+
+    def _fail(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+
+    def _no_partials(self, func, specs) -> None:
+        if any(s is not None and any(x.is_partial for x in s.nd_sbp) for s in specs):
+            self._fail(f"{func} mixes samples (its result is a partial sum)")
+
+    def direct(self, func, d) -> None:
+        self._no_partials(func, [d.direct])
+
+    def strategy(self, func, rule, specs, d) -> None:
+        if rule is registry._FALLBACK:
+            self._fail(f"{func} has no SBP rule")
+        elif tuple(specs) != d.in_specs:
+            self._fail(f"{func} needs its inputs moved")
+        elif rule.local_args is not None and not getattr(
+            rule.local_args, "size_from_output", False
+        ):
+            self._fail(f"{func} adjusts its local arguments")
+        self._no_partials(func, d.out_specs)
+
+    def custom(self, func, args) -> None:
+        rule = registry._resolve(func)
+        if rule in self.SAME_LAYOUT:
+            return
+        if func is not self.BATCH_NORM and func not in self.DROPOUT:
+            self._fail(f"{func} has its own global semantics")
+            return
+        x = args[0]
+        if tuple(x.sbp) != self.data_nd:
+            self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch")
+        elif func is self.BATCH_NORM and args[5]:
+            self.bn_counts.append(batch_norm._count(x))
+        elif func in self.DROPOUT:
+            self.dropouts += 1
+
+
+class _LocalOps(TorchFunctionMode):
+    """Inside the local forward: BatchNorm and dropout with the per-op path's semantics."""
+
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            return self.run.batch_norm(*args, **kwargs)
+        if func is F.dropout:
+            return self.run.dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _Run:
+    """One local forward: the layout it follows and what BatchNorm and dropout need."""
+
+    def __init__(self, fast: DataParallel, layout: Layout, data_nd: tuple):
+        self.fast, self.layout, self.data_nd = fast, layout, data_nd
+        self.bn_calls = self.dropouts = 0
+        self.to_sync: list[torch.Tensor] = []
+
+    def batch_norm(
+        self,
+        input,
+        running_mean,
+        running_var,
+        weight=None,
+        bias=None,
+        training=False,
+        momentum=0.1,
+        eps=1e-5,
+    ):
+        if not training:
+            return F.batch_norm(
+                input, running_mean, running_var, weight, bias, False, momentum, eps
+            )
+        counts = self.layout.bn_counts
+        if self.bn_calls >= len(counts):
+            raise RuntimeError("sbp data-parallel fast path: more BatchNorm calls than checked")
+        count = counts[self.bn_calls]
+        self.bn_calls += 1
+        if self.fast.batch_norm == "local":
+            self.to_sync += [t for t in (running_mean, running_var) if t is not None]
+            return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
+        return batch_norm.LogicalBatchNorm.apply(
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            momentum if momentum is not None else 0.0,
+            eps,
+            count,
+            batch_norm.group_all_reduce(self.fast.group(self.data_nd)),
+        )
+
+    def dropout(self, input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return F.dropout(input, p, training, inplace)
+        if p == 1:
+            return input.mul_(0) if inplace else torch.zeros_like(input)
+        P = self.fast.placement
+        coord = P.coord(env.get_rank())
+        coords = tuple(c if s.is_split else 0 for c, s in zip(coord, self.data_nd, strict=True))
+        gen = torch.Generator(device=input.device)
+        gen.manual_seed(random.draw_seed(coords))
+        self.dropouts += 1
+        if input.device.type == "cpu":  # what aten.dropout runs on CPU (bernoulli_ rule)
+            noise = torch.empty_like(input).bernoulli_(1 - p, generator=gen).div_(1 - p)
+            return input.mul_(noise) if inplace else input * noise
+        mask = torch.empty_like(input).bernoulli_(1 - p, generator=gen).to(torch.bool)
+        if inplace:  # the fused kernel elsewhere (native_dropout rule)
+            return input.mul_(mask).mul_(1.0 / (1 - p))
+        return input * mask * (1.0 / (1 - p))
+
+
+class _EnterLocal(torch.autograd.Function):
+    """A global input's local tensor; its gradient goes back as this rank's share."""
+
+    @staticmethod
+    def forward(ctx, g: GlobalTensor, grad_spec: GlobalSpec):
+        ctx.grad_spec = grad_spec
+        return g._local.view_as(g._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GlobalTensor(grad.contiguous(), ctx.grad_spec), None
+
+
+class _ExitLocal(torch.autograd.Function):
+    """A local output wrapped as global; the gradient comes back laid out as the local graph
+    needs it: split where the output is split, a partial sum where it is broadcast."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, spec: GlobalSpec, grad_spec: GlobalSpec):
+        ctx.grad_spec = grad_spec
+        return GlobalTensor(t.detach(), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, GlobalTensor):
+            grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=_all_broadcast(ctx.grad_spec)))
+        return box(grad._local, grad._spec, ctx.grad_spec), None, None
+
+
+def _all_broadcast(spec: GlobalSpec) -> tuple:
+    return (broadcast,) * len(spec.nd_sbp)
+
+
+def _share_spec(spec: GlobalSpec, data_nd: tuple) -> GlobalSpec:
+    """`spec` with broadcast turned into partial sums on the hierarchy dims the batch splits."""
+    nd = tuple(
+        partial_sum if d.is_split and s.is_broadcast else s
+        for s, d in zip(spec.nd_sbp, data_nd, strict=True)
+    )
+    return spec._replace(nd_sbp=nd)
+
+
+class DataParallel:
+    """The fast path's state for one module (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, placement: Placement):
+        self.placement = placement
+        self.enabled = True
+        self.batch_norm = "global"
+        self.bucket_bytes = gradients.BUCKET_BYTES
+        self.sync = True
+        self.last_path = ""  # "fast" or "per-op": how the last call ran (for tests and users)
+        self.trace: list | None = None  # gradient reducer events, when a list
+        self._module_ref = module
+        self._original = module.forward
+        self._layouts: OrderedDict = OrderedDict()
+        self._warned: set[str] = set()
+        self._slots: list | None = None  # (submodule, name, tensor, is_param)
+        self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._reducer: gradients.Reducer | None = None
+        self._reducer_key: tuple | None = None
+
+    # ------------------------------------------------------------ the call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled or env.get_rank() not in self.placement:
+            return self._per_op(args, kwargs)
+        key, data_nd = self._layout_key(args, kwargs)
+        if key is None or not self._params_broadcast():
+            return self._per_op(args, kwargs)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._check(args, kwargs, data_nd)
+            if len(self._layouts) > LAYOUTS:
+                self._layouts.popitem(last=False)
+            if not layout.ok and layout.reason not in self._warned:
+                self._warned.add(layout.reason)
+                warnings.warn(
+                    f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
+                    stacklevel=3,
+                )
+        else:
+            self._layouts.move_to_end(key)
+        if not layout.ok:
+            return self._per_op(args, kwargs)
+        self.last_path = "fast"
+        return self._run_local(args, kwargs, layout, data_nd)
+
+    def _per_op(self, args, kwargs):
+        self.last_path = "per-op"
+        return self._original(*args, **kwargs)
+
+    def _layout_key(self, args, kwargs) -> tuple[tuple | None, tuple]:
+        """A hashable key of the call's layout, or None when it is not a data-parallel call:
+        global inputs on the placement, split along dim 0 or broadcast, others plain values."""
+        key: list = [self._module_ref.training, torch.is_grad_enabled(), tuple(kwargs)]
+        data: set[int] = set()
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, GlobalTensor):
+                spec = a._spec
+                if spec.placement != self.placement:
+                    return None, ()
+                for h, s in enumerate(spec.nd_sbp):
+                    if s.is_split and s.dim == 0:
+                        data.add(h)
+                    elif not s.is_broadcast:
+                        return None, ()
+                key.append(spec)
+            elif isinstance(a, torch.Tensor):
+                return None, ()
+            else:
+                try:
+                    hash(a)
+                except TypeError:
+                    return None, ()
+                key.append((type(a), a))
+        if not data:
+            return None, ()
+        data_nd = tuple(split(0) if h in data else broadcast for h in range(self.placement.ndim))
+        return tuple(key), data_nd
+
+    def _params_broadcast(self) -> bool:
+        if self._slots is None or any(
+            (sub._parameters if is_param else sub._buffers).get(name) is not t
+            for sub, name, t, is_param in self._slots
+        ):
+            self._slots = [
+                (sub, name, t, is_param)
+                for sub in self._module_ref.modules()
+                for is_param, table in ((True, sub._parameters), (False, sub._buffers))
+                for name, t in table.items()
+                if t is not None
+            ]
+        allb = (broadcast,) * self.placement.ndim
+        return all(
+            isinstance(t, GlobalTensor)
+            and t._spec.placement == self.placement
+            and t._spec.nd_sbp == allb
+            for _, _, t, _ in self._slots
+        )
+
+    # ------------------------------------------------------------ checking pass
+    def _check(self, args, kwargs, data_nd) -> Layout:
+        """Run the module op by op, watching every op, without lasting effects."""
+        buffers = [t for _, _, t, is_param in self._slots if not is_param]
+        saved = [b._local.clone() for b in buffers]
+        rng = dict(random._state)
+        check = _Check(data_nd)
+        registry.observers.append(check)
+        try:
+            with torch.no_grad():
+                out = self._original(*args, **kwargs)
+        finally:
+            registry.observers.remove(check)
+            for b, s in zip(buffers, saved, strict=True):
+                b._local.copy_(s)
+            random._state.update(rng)
+        leaves, tree = tree_flatten(out)
+        specs = []
+        for leaf in leaves:
+            if isinstance(leaf, GlobalTensor):
+                specs.append(leaf._spec)
+            elif isinstance(leaf, torch.Tensor):
+                check._fail("the module returns a local tensor")
+            else:
+                specs.append(leaf)
+        if check.reason:
+            return Layout(False, check.reason)
+        return Layout(True, "", specs, tree, check.bn_counts, check.dropouts)
+
+    # ------------------------------------------------------------ local run
+    def group(self, data_nd: tuple) -> tuple[int, ...]:
+        return batch_norm.split_group(self.placement, data_nd, env.get_rank())
+
+    def _local_leaves(self, data_nd: tuple) -> dict[int, torch.Tensor]:
+        """A local leaf per parameter, sharing its storage; made again if a local changed."""
+        params = {id(t): t for _, _, t, is_param in self._slots if is_param}
+        fresh = {}
+        for pid, p in params.items():
+            cached = self._leaves.get(pid)
+            if cached is not None and cached[0] is p._local:
+                fresh[pid] = cached
+            else:
+                leaf = p._local.detach().requires_grad_(p.requires_grad)
+                fresh[pid] = (p._local, leaf)
+        self._leaves = fresh
+        key = (tuple((pid, id(leaf)) for pid, (_, leaf) in fresh.items()), data_nd)
+        if self._reducer_key != key:
+            trained = [pid for pid, p in params.items() if p.requires_grad]
+            self._reducer = gradients.Reducer(
+                [params[pid] for pid in trained],
+                [fresh[pid][1] for pid in trained],
+                self.group(data_nd),
+                tuple(partial_sum if d.is_split else d for d in data_nd),
+                bucket_bytes=self.bucket_bytes,
+            )
+            self._reducer_key = key
+        self._reducer.sync, self._reducer.trace = self.sync, self.trace
+        return {pid: leaf for pid, (_, leaf) in fresh.items()}
+
+    def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple):
+        grad = torch.is_grad_enabled()
+
+        def enter(a):
+            if not isinstance(a, GlobalTensor):
+                return a
+            if grad and a.requires_grad:
+                return _EnterLocal.apply(a, _share_spec(a._spec, data_nd))
+            return a._local
+
+        largs = [enter(a) for a in args]
+        lkwargs = {k: enter(v) for k, v in kwargs.items()}
+        leaves = self._local_leaves(data_nd)
+        run = _Run(self, layout, data_nd)
+        with self._swapped(leaves):
+            with _LocalOps(run) if self._module_ref.training else contextlib.nullcontext():
+                out = self._original(*largs, **lkwargs)
+        if (run.bn_calls, run.dropouts) != (len(layout.bn_counts), layout.dropouts):
+            raise RuntimeError(
+                f"sbp data-parallel fast path: {run.bn_calls} BatchNorm and {run.dropouts} "
+                f"dropout calls, {len(layout.bn_counts)} and {layout.dropouts} when the "
+                "layout was checked (use sbp.nn.data_parallel(module, fast=False))"
+            )
+        if run.to_sync:
+            self._broadcast_buffers(run.to_sync, data_nd)
+        return self._wrap(out, layout, data_nd, grad)
+
+    @contextlib.contextmanager
+    def _swapped(self, leaves: dict[int, torch.Tensor]) -> Iterator[None]:
+        for sub, name, t, is_param in self._slots:
+            if is_param:
+                sub._parameters[name] = leaves[id(t)]
+            else:
+                sub._buffers[name] = t._local
+        try:
+            yield
+        finally:
+            for sub, name, t, is_param in self._slots:
+                (sub._parameters if is_param else sub._buffers)[name] = t
+
+    def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
+        """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does."""
+        group = self.group(data_nd)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        comm.broadcast(flat, group[0], group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def _wrap(self, out, layout: Layout, data_nd: tuple, grad: bool):
+        leaves, tree = tree_flatten(out)
+        if len(leaves) != len(layout.out_specs):
+            raise RuntimeError("sbp data-parallel fast path: the module's outputs changed shape")
+        me = env.get_rank()
+        wrapped = []
+        for t, spec in zip(leaves, layout.out_specs, strict=True):
+            if not isinstance(spec, GlobalSpec):
+                wrapped.append(t)
+                continue
+            if tuple(t.shape) != spec.local_shape(me):
+                raise RuntimeError(
+                    f"sbp data-parallel fast path: a local output has shape {tuple(t.shape)} "
+                    f"where {spec.local_shape(me)} was expected; the module uses the batch size "
+                    "in a way that is not separable: sbp.nn.data_parallel(module, fast=False)"
+                )
+            if grad and t.requires_grad:
+                wrapped.append(_ExitLocal.apply(t, spec, _share_spec(spec, data_nd)))
+            else:
+                wrapped.append(GlobalTensor(t, spec))
+        return tree_unflatten(wrapped, tree)
+
+
+# ---------------------------------------------------------------- public switches
+
+
+def attach(module: torch.nn.Module, placement: Placement) -> None:
+    """Give `module` the fast path (called by `module.to_global(P, broadcast)`)."""
+    fast = module.__dict__.get(ATTR)
+    if fast is not None:
+        fast.placement = placement
+        fast._layouts.clear()
+        return
+    fast = DataParallel(module, placement)
+    original = type(module).forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        return self.__dict__[ATTR](*args, **kwargs)
+
+    module.__dict__[ATTR] = fast
+    module.forward = types.MethodType(forward, module)
+
+
+def detach_fast_path(module: torch.nn.Module) -> None:
+    """Remove the fast path (the module's parameters are no longer all broadcast)."""
+    if module.__dict__.pop(ATTR, None) is not None:
+        module.__dict__.pop("forward", None)
+
+
+def state(module: torch.nn.Module) -> DataParallel:
+    fast = module.__dict__.get(ATTR)
+    if fast is None:
+        raise ValueError(
+            f"{type(module).__name__} has no data-parallel fast path: "
+            "call module.to_global(placement, sbp.broadcast) first"
+        )
+    return fast
+
+
+def data_parallel(
+    module: torch.nn.Module,
+    *,
+    fast: bool | None = None,
+    batch_norm: str | None = None,
+    bucket_mb: float | None = None,
+) -> torch.nn.Module:
+    """Options of a module made global with `module.to_global(P, sbp.broadcast)`.
+
+    fast: run the module on local shards when its check passes (default True);
+    batch_norm: "global" (default) uses the statistics of the whole logical batch,
+    "local" those of each rank's shard, as torch DDP without SyncBatchNorm;
+    bucket_mb: gradient bucket size (default 25, as torch DDP).
+    """
+    from sbp.errors import SbpError
+
+    s = state(module)
+    if batch_norm is not None:
+        if batch_norm not in ("global", "local"):
+            raise SbpError(f"batch_norm must be 'global' or 'local', got {batch_norm!r}")
+        s.batch_norm = batch_norm
+    if fast is not None:
+        s.enabled = bool(fast)
+    if bucket_mb is not None:
+        s.bucket_bytes = int(bucket_mb * 2**20)
+        s._reducer_key = None
+    return module
+
+
+@contextlib.contextmanager
+def no_sync(module: torch.nn.Module) -> Iterator[None]:
+    """Accumulate gradients without reducing them (micro-batches), as torch DDP's `no_sync`:
+    inside, `.grad` holds this rank's partial sums; the next backward outside reduces all."""
+    s = state(module)
+    s.sync = False
+    try:
+        yield
+    finally:
+        s.sync = True

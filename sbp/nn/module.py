@@ -1,0 +1,26 @@
+"""`module.to_global`: parameters and buffers become global; broadcast ones get the fast path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sbp.nn import fast_path
+from sbp.placement import placement as Placement
+from sbp.signature import normalize_nd_sbp
+from sbp.tensor import module_to_global as convert_module
+
+
+def module_to_global(
+    module: torch.nn.Module, placement: Placement, sbp: Any, **kwargs: Any
+) -> torch.nn.Module:
+    """Convert `module` in place (see `sbp.tensor.module_to_global`); a module made broadcast
+    everywhere runs data-parallel calls on local shards (`sbp.nn.fast_path`)."""
+    convert_module(module, placement, sbp, **kwargs)
+    nd = normalize_nd_sbp(sbp, placement.ndim)
+    if all(s.is_broadcast for s in nd):
+        fast_path.attach(module, placement)
+    else:
+        fast_path.detach_fast_path(module)
+    return module

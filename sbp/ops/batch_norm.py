@@ -1,0 +1,260 @@
+"""BatchNorm over a batch split across ranks: the statistics of the whole logical batch.
+
+One place for the math, used by the per-op rules below and by the data-parallel
+fast path (`sbp.nn.data_parallel`), which runs whole modules on local tensors:
+- forward: one all-reduce of per-channel shifted sums (the shift is the running
+  mean, equal on every rank, which keeps E[(x-K)^2] - E[x-K]^2 free of
+  cancellation), then torch's native eval-mode kernel normalises in one pass;
+- backward: torch's native kernel gives the local sums of dy and dy*xhat in one
+  pass, one all-reduce makes them whole, and the input gradient is two native
+  per-channel affine passes.
+`all_reduce` sums a tensor over the ranks that hold parts of the batch; the
+count is the logical number of elements per channel. Nothing here reads a
+buffer after writing it: the shift is copied before the running statistics are
+updated (a traced graph may replay the forward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from sbp import comm, env
+from sbp.layout import GlobalSpec
+from sbp.ops.registry import rebox, register
+from sbp.signature import broadcast, partial_sum
+
+aten = torch.ops.aten
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _affine(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`t * scale + shift` per channel (dim 1) in one native pass (eval-mode batch_norm)."""
+    zero = torch.zeros_like(scale)
+    return torch.batch_norm(t, scale, shift, zero, torch.ones_like(scale), False, 0.0, 0.0, False)
+
+
+def _channel_sums(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    return t.reshape(t.shape[0], t.shape[1], -1).sum(2, dtype=acc).sum(0)
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    count: int,
+    all_reduce: AllReduce,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Train-mode BatchNorm of the local part `x` with the logical batch's statistics.
+
+    Returns (output, mean, invstd) and updates the running statistics in place.
+    """
+    acc = _acc(x.dtype)
+    C = x.shape[1]
+    if running_mean is not None:
+        shift = running_mean.detach().to(acc, copy=True)
+        d = x - shift.to(x.dtype).view(1, C, *([1] * (x.dim() - 2)))
+        sums = all_reduce(torch.stack([_channel_sums(d, acc), _channel_sums(d * d, acc)]))
+        mean_d = sums[0] / count
+        mean = mean_d + shift
+        var = (sums[1] / count - mean_d * mean_d).clamp_min(0)
+    else:  # nothing equal on every rank to shift by: two passes
+        mean = all_reduce(_channel_sums(x, acc)) / count
+        d = x - mean.to(x.dtype).view(1, C, *([1] * (x.dim() - 2)))
+        var = all_reduce(_channel_sums(d * d, acc)) / count
+    invstd = torch.rsqrt(var + eps)
+    if x.numel() == 0:
+        out = torch.empty_like(x)
+    else:
+        out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = var * (count / max(count - 1, 1))
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    return out, mean, invstd
+
+
+def local_grad_sums(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> torch.Tensor:
+    """This rank's [sum(dy * xhat), sum(dy)] per channel (the weight and bias gradients)."""
+    if x.numel() == 0:
+        return torch.zeros(2, x.shape[1], dtype=mean.dtype, device=x.device)
+    _, gw, gb = aten.native_batch_norm_backward(
+        dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True]
+    )
+    return torch.stack([gw, gb]).to(mean.dtype)
+
+
+def input_grad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    sums: torch.Tensor,
+    count: int,
+) -> torch.Tensor:
+    """dx = w * invstd * (dy - sum(dy)/n - xhat * sum(dy*xhat)/n), with logical sums `sums`.
+
+    Written as a*dy + b*x + c per channel: two native affine passes and one add.
+    """
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    a = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    b = -a * invstd * (sums[0] / count)
+    c = -a * (sums[1] / count) - b * mean
+    out = _affine(x, b.to(x.dtype), c.to(x.dtype))
+    return out.add_(_affine(dy, a.to(x.dtype), torch.zeros_like(a, dtype=x.dtype)))
+
+
+class LogicalBatchNorm(torch.autograd.Function):
+    """Train-mode BatchNorm on local tensors with logical statistics (the fast path's form).
+
+    The weight and bias gradients it returns are this rank's partial sums; the
+    gradient reducer makes them whole with every other parameter's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, count, all_reduce):
+        out, mean, invstd = forward(
+            x, weight, bias, running_mean, running_var, momentum, eps, count, all_reduce
+        )
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count, ctx.all_reduce = count, all_reduce
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        local = local_grad_sums(dy, x, mean, invstd)
+        whole = ctx.all_reduce(local.clone())
+        dx = input_grad(dy, x, weight, mean, invstd, whole, ctx.count)
+        gw = local[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        gb = local[1].to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return dx, gw, gb, None, None, None, None, None, None
+
+
+def group_all_reduce(ranks: tuple[int, ...]) -> AllReduce:
+    return lambda t: comm.all_reduce(t, "sum", ranks)
+
+
+def split_group(placement, nd, rank: int) -> tuple[int, ...]:
+    """Ranks whose local tensors are parts of the same batch as `rank`'s: those that differ
+    from it only on hierarchy dims where `nd` splits (in placement order)."""
+    split_dims = {h for h, s in enumerate(nd) if s.is_split}
+    mine = placement.coord(rank)
+    keep = [h for h in range(len(nd)) if h not in split_dims]
+    return tuple(
+        r for r in placement.flat_ranks if all(placement.coord(r)[h] == mine[h] for h in keep)
+    )
+
+
+# ---------------------------------------------------------------- per-op rules
+
+
+def _bn_layout(x) -> tuple:
+    """Keep splits of dims other than the channel dim (1); everything else broadcast."""
+    return tuple(s if s.is_split and s.dim != 1 else broadcast for s in x._spec.nd_sbp)
+
+
+def _count(x) -> int:
+    return math.prod(x.shape[d] for d in range(x.dim()) if d != 1)
+
+
+def _locals(tensors, nd_len: int) -> list:
+    allb = (broadcast,) * nd_len
+    return [rebox(t, allb)._local if t is not None else None for t in tensors]
+
+
+@register(aten.native_batch_norm.default)
+def native_batch_norm(func, args, kwargs):
+    """Train mode over a split batch: the logical batch's statistics; otherwise local."""
+    from sbp.boxing.executor import empty_local
+    from sbp.tensor import GlobalTensor
+
+    x, weight, bias, running_mean, running_var, training, momentum, eps = args
+    nd = _bn_layout(x)
+    x = rebox(x, nd)
+    placement = x._spec.placement
+    allb = (broadcast,) * len(nd)
+    stat_spec = GlobalSpec(placement, allb, (x.shape[1],), _acc(x.dtype))
+    me = env.get_rank()
+    if me not in placement:
+        empty = empty_local(stat_spec)
+        return (
+            GlobalTensor(empty_local(x._spec), x._spec),
+            GlobalTensor(empty, stat_spec),
+            GlobalTensor(empty, stat_spec),
+        )
+    w, b, rm, rv = _locals((weight, bias, running_mean, running_var), len(nd))
+    if not training or not any(s.is_split for s in nd):
+        out, m, v = func(x._local, w, b, rm, rv, training, momentum, eps)
+        mspec = stat_spec._replace(dtype=m.dtype)
+        return (
+            GlobalTensor(out, x._spec),
+            GlobalTensor(m, mspec._replace(shape=tuple(m.shape))),
+            GlobalTensor(v, mspec._replace(shape=tuple(v.shape))),
+        )
+    reduce = group_all_reduce(split_group(placement, nd, me))
+    out, mean, invstd = forward(x._local, w, b, rm, rv, momentum, eps, _count(x), reduce)
+    return (
+        GlobalTensor(out, x._spec),
+        GlobalTensor(mean, stat_spec),
+        GlobalTensor(invstd, stat_spec),
+    )
+
+
+@register(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(func, args, kwargs):
+    """Train mode over a split batch: one all-reduce of the two gradient sums, so parameter
+    gradients come out whole (broadcast)."""
+    from sbp.boxing.executor import empty_local
+    from sbp.tensor import GlobalTensor
+
+    grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask = args
+    nd = _bn_layout(x)
+    x, grad_out = rebox(x, nd), rebox(grad_out, nd)
+    placement = x._spec.placement
+    allb = (broadcast,) * len(nd)
+    split_batch = any(s.is_split for s in nd)
+    param_nd = (
+        allb if train and split_batch else tuple(partial_sum if s.is_split else s for s in nd)
+    )
+    pspec = GlobalSpec(placement, param_nd, (x.shape[1],), x.dtype)
+    me = env.get_rank()
+    if me not in placement:
+        outs = [empty_local(x._spec), empty_local(pspec), empty_local(pspec)]
+    else:
+        w, rm, rv, mean, invstd = _locals(
+            (weight, running_mean, running_var, save_mean, save_invstd), len(nd)
+        )
+        if not train or not split_batch:
+            outs = list(func(grad_out._local, x._local, w, rm, rv, mean, invstd, train, eps, mask))
+        else:
+            dy = grad_out._local.contiguous()
+            reduce = group_all_reduce(split_group(placement, nd, me))
+            sums = reduce(local_grad_sums(dy, x._local, mean, invstd))
+            dx = input_grad(dy, x._local, w, mean, invstd, sums, _count(x)) if mask[0] else None
+            outs = [
+                dx,
+                sums[0].to(x.dtype) if mask[1] else None,
+                sums[1].to(x.dtype) if mask[2] else None,
+            ]
+    specs = [x._spec, pspec, pspec]
+    return tuple(
+        GlobalTensor(o, s) if o is not None else None for o, s in zip(outs, specs, strict=True)
+    )
