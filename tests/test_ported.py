@@ -455,7 +455,8 @@ def _embedding(case):
     loss = torch.nn.CrossEntropyLoss()(output, target)
     with sbp.comm_stats() as bwd:
         loss.backward()
-    return fwd.calls, bwd.calls, output, sharded.weight.grad.full_tensor()
+    placed = sharded.weight.sbp == (sbp.split(shard_dim),)
+    return placed, fwd.calls, bwd.calls, output, sharded.weight.grad.full_tensor()
 
 
 @pytest.mark.parametrize("case", EMBEDDING_CASES, ids=lambda c: f"shard{c[0]}-{c[1]}-{c[4]}")
@@ -463,7 +464,8 @@ def test_dtensor_sharded_embedding(pool4, case):
     local, inp, target = _embedding_case(*case)
     local_output = local(inp)
     torch.nn.CrossEntropyLoss()(local_output, target).backward()
-    for fwd_calls, bwd_calls, output, grad in pool4.run(_embedding, case):
+    for placed, fwd_calls, bwd_calls, output, grad in pool4.run(_embedding, case):
+        assert placed
         torch.testing.assert_close(output, local_output.detach())
         torch.testing.assert_close(grad, local.weight.grad)
         if case[0] == 1:  # column-wise: no communication either way
