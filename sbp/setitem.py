@@ -76,9 +76,13 @@ def setitem(g, index: Any, value: Any) -> bool:
         )
     flat = without_partials(g)
     g._local, g._spec = flat._local, flat._spec
-    me = env.get_rank()
-    if me not in g.placement:
-        return True
+    if env.get_rank() in g.placement:
+        _write_local_part(g, items, value)
+    torch.autograd.graph.increment_version(g)  # autograd sees the write, as for x[i] = v
+    return True
+
+
+def _write_local_part(g, items: list, value: Any) -> None:
     sizes = [
         len(range(*i.indices(n)))
         for i, n in zip(items, g.shape, strict=True)
@@ -86,12 +90,11 @@ def setitem(g, index: Any, value: Any) -> bool:
     ]
     value = torch.as_tensor(value, dtype=g.dtype, device=g._local.device).expand(sizes)
     local_index, value_index = [], []
-    for item, size, (lo, hi) in zip(items, g.shape, g._spec.ranges(me), strict=True):
+    for item, size, (lo, hi) in zip(items, g.shape, g._spec.ranges(env.get_rank()), strict=True):
         part = _local_part(item, size, lo, hi)
         if part is None:
-            return True  # nothing of the slice lives on this rank
+            return  # nothing of the slice lives on this rank
         local_index.append(part[0])
         if part[1] is not None:
             value_index.append(part[1])
     g._local[tuple(local_index)] = value[tuple(value_index)]
-    return True
