@@ -15,7 +15,6 @@ import weakref
 import torch
 
 from sbp import comm, env
-from sbp.signature import partials_to_broadcast
 
 BUCKET_BYTES = 25 * 2**20
 _pending: list = []
@@ -34,8 +33,8 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     if _bucketable(grad._spec, target):
         if not _pending:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
-        if all(ref() is not grad for ref in _pending):
-            _pending.append(weakref.ref(grad))
+        if all(ref() is not grad for ref, _ in _pending):
+            _pending.append((weakref.ref(grad), target.nd_sbp))
         return
     grad._local, grad._spec = box(grad._local, grad._spec, target), target
 
@@ -48,17 +47,19 @@ def _bucketable(spec, target) -> bool:
 
 
 def flush() -> None:
-    """Reduce every pending partial gradient, one flat all-reduce per bucket and hierarchy dim."""
-    grads = [g for g in (ref() for ref in _pending) if g is not None]
+    """Reduce every pending partial gradient, one flat all-reduce per bucket and hierarchy dim.
+
+    Only the dims where the leaf is broadcast are reduced: a partial leaf keeps a partial grad.
+    """
+    grads = [(g, done) for g, done in ((ref(), done) for ref, done in _pending) if g is not None]
     _pending.clear()
     groups: dict = {}
-    for g in grads:
-        key = (g._spec.placement, g._spec.nd_sbp, g.dtype, g._local.device)
+    for g, done in grads:
+        key = (g._spec.placement, g._spec.nd_sbp, done, g.dtype, g._local.device)
         groups.setdefault(key, []).append(g)
     me = env.get_rank()
-    for (placement, nd, _, _), members in groups.items():
-        dims = [h for h, s in enumerate(nd) if s.is_partial]
-        done = partials_to_broadcast(nd)
+    for (placement, nd, done, _, _), members in groups.items():
+        dims = [h for h, (s, t) in enumerate(zip(nd, done, strict=True)) if s != t]
         for bucket in _buckets(members):
             if me in placement:
                 _all_reduce_bucket(bucket, [placement.group_ranks(me, h) for h in dims])

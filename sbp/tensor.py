@@ -92,8 +92,8 @@ class GlobalTensor(torch.Tensor):
         dst = boxing.target_spec(self._spec, placement, sbp)
         dst.placement.check_in_world(env.get_world_size())
         grad = _grad_nd_sbp(self._spec, grad_sbp)
-        if dst == self._spec and grad == self._spec.nd_sbp:
-            return self
+        if dst == self._spec and (grad_sbp is None or grad == self._spec.nd_sbp):
+            return self  # a no-op costs nothing, a partial tensor's included
         agreement.check_rebox(self._spec, dst, self.requires_grad)  # first time (src, dst)
         return _Box.apply(self, dst, grad)
 
@@ -127,6 +127,13 @@ class GlobalTensor(torch.Tensor):
             )
         torch._C.TensorBase.data.__set__(self, value)
         self._local, self._spec = value._local, value._spec
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """Basic indexing writes each rank's part of the logical slice (see sbp.setitem)."""
+        from sbp.setitem import setitem
+
+        if not setitem(self, index, value):
+            super().__setitem__(index, value)
 
     def full_tensor(self) -> torch.Tensor:
         """The logical value as a plain tensor on every rank of the placement."""
@@ -251,6 +258,11 @@ class _FromLocal(torch.autograd.Function):
 # ---------------------------------------------------------------- local -> global
 
 
+_DTYPES = sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=lambda d: str(d)
+)
+
+
 def _exchange_shapes(
     x: torch.Tensor,
     P: Placement,
@@ -259,14 +271,15 @@ def _exchange_shapes(
     check_meta: bool,
     error: Exception | None,
     data_hash: int | None = None,
-) -> dict[int, tuple[int, ...]]:
-    """Every placement rank's local shape, learnt by all ranks of the world at once.
+) -> tuple[dict[int, tuple[int, ...]], torch.dtype]:
+    """Every placement rank's local shape, and the dtype, learnt by all ranks of the world.
 
     With `check_meta`, ranks first agree on placement, sbp, dtype and device type;
     running over the whole world (every rank calls `to_global`, SPMD) also catches
     ranks that disagree on the placement itself, and tells ranks outside the
-    placement the logical shape. Placement ranks must also agree on `requires_grad`
-    and, given `data_hash` (broadcast without sync_data), on their data.
+    placement the logical shape and dtype: their own tensor's are ignored (OneFlow's rule).
+    Placement ranks must also agree on `requires_grad` and, given `data_hash` (broadcast
+    without sync_data), on their data.
     """
     me = env.get_rank()
     description = {}
@@ -274,19 +287,22 @@ def _exchange_shapes(
         description = {
             "placement": repr(P),
             "sbp": format_nd_sbp(normalize_nd_sbp(sbp, P.ndim)),
-            "dtype": str(x.dtype),
-            "device type": x.device.type,
+            "device type": x.device.type if me in P else P.type,
             "shape=": None if shape is None else tuple(shape),
         }
     extra = [int(x.requires_grad), data_hash or 0] if check_meta else []
-    mine = [1, x.dim(), *x.shape, *extra] if me in P else [0]
+    mine = [1, _DTYPES.index(x.dtype), x.dim(), *x.shape, *extra] if me in P else [0]
     world = tuple(range(env.get_world_size()))
     rows = comm.exchange(description, world, mine, "to_global", error=error)
+    inside = {r: row for r, row in zip(world, rows, strict=True) if row[0] == 1}
+    dtypes = {r: _DTYPES[row[1]] for r, row in inside.items()}
+    if check_meta and len(set(dtypes.values())) > 1:
+        per_rank = ", ".join(f"rank {r}: {str(d)!r}" for r, d in dtypes.items())
+        raise MetaMismatchError(f"ranks disagree on to_global: dtype differs ({per_rank})")
     if check_meta:
-        _check_agreement(
-            {r: row[2 + row[1] :] for r, row in zip(world, rows, strict=True) if row[0]}, P, sbp
-        )
-    return {r: tuple(row[2 : 2 + row[1]]) for r, row in zip(world, rows, strict=True) if row[0]}
+        _check_agreement({r: row[3 + row[2] :] for r, row in inside.items()}, P, sbp)
+    shapes = {r: tuple(row[3 : 3 + row[2]]) for r, row in inside.items()}
+    return shapes, dtypes[P.flat_ranks[0]]
 
 
 def _check_agreement(extra: dict[int, tuple[int, ...]], P: Placement, sbp: Any) -> None:
@@ -387,13 +403,13 @@ def local_to_global(
     if shape is not None:
         shape = check_shape(shape)
     splits = any(s.is_split for s in normalize_nd_sbp(sbp, placement.ndim))
-    shapes = None
-    if check_meta or (splits and shape is None):
+    shapes, dtype = None, x.dtype
+    if check_meta or (splits and shape is None) or placement.size < env.get_world_size():
         checksum = None
         if check_meta and not sync_data and inside and error is None:
             if any(s.is_broadcast for s in normalize_nd_sbp(sbp, placement.ndim)):
                 checksum = agreement.data_hash(x)
-        shapes = _exchange_shapes(x, placement, sbp, shape, check_meta, error, checksum)
+        shapes, dtype = _exchange_shapes(x, placement, sbp, shape, check_meta, error, checksum)
     elif error is not None:
         raise error
     if shape is not None:
@@ -405,7 +421,7 @@ def local_to_global(
     else:
         logical = tuple(x.shape)
     nd = normalize_nd_sbp(sbp, placement.ndim, len(logical))
-    spec = GlobalSpec(placement, nd, tuple(logical), x.dtype)
+    spec = GlobalSpec(placement, nd, tuple(logical), dtype)
     if shapes is not None:
         _check_local_shapes(shapes, spec)
     elif inside and tuple(x.shape) != spec.local_shape(me):
@@ -495,7 +511,8 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
     """`module.to_global`: every parameter and buffer becomes global, in place; returns `module`.
 
     Values are synced from the placement's first rank (`sync_data=True`), so ranks
-    that initialised differently start equal. Shared parameters stay shared.
+    that initialised differently start equal. Shared parameters stay shared. On an
+    already-global module, parameters and buffers are re-boxed to `placement`/`sbp`.
     """
     bad = None
     for t in itertools.chain(module.parameters(), module.buffers()):
@@ -506,18 +523,23 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             agreement.raise_everywhere(bad, "module.to_global")
         raise bad
     done: dict[int, Any] = {}
+
+    def convert(t: torch.Tensor) -> GlobalTensor:
+        if isinstance(t, GlobalTensor):  # already global: re-box, as OneFlow does
+            return t.detach().to_global(placement, sbp)
+        return local_to_global(t.detach(), placement, sbp, **kwargs)
+
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
-            if p is None or isinstance(p, GlobalTensor):
+            if p is None:
                 continue
             if id(p) not in done:
-                g = local_to_global(p.detach(), placement, sbp, **kwargs)
-                done[id(p)] = torch.nn.Parameter(g, requires_grad=p.requires_grad)
+                done[id(p)] = torch.nn.Parameter(convert(p), requires_grad=p.requires_grad)
             sub._parameters[name] = done[id(p)]
         for name, b in list(sub._buffers.items()):
-            if b is None or isinstance(b, GlobalTensor):
+            if b is None:
                 continue
             if id(b) not in done:
-                done[id(b)] = local_to_global(b, placement, sbp, **kwargs)
+                done[id(b)] = convert(b)
             sub._buffers[name] = done[id(b)]
     return module

@@ -143,9 +143,9 @@ def _train_mlp_2d(opt_name):
     me = sbp.env.get_rank()
     P = sbp.placement("cpu", [[0, 1], [2, 3]])
     model = _mlp_model()
+    model.to_global(P, (B, B))  # on a global module this re-boxes, so it comes first
     for layer in (model.fc1, model.fc2):
-        layer.weight = torch.nn.Parameter(layer.weight.to_global(P, (B, B)).to_global(sbp=(B, S1)))
-    model.to_global(P, (B, B))
+        layer.weight = torch.nn.Parameter(layer.weight.detach().to_global(sbp=(B, S1)))
     opt = OPTIMIZERS[opt_name](model.parameters())
     losses = []
     for x, y in _mlp_batches():

@@ -10,12 +10,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CommStats:
-    """Collectives run by this rank inside a `comm_stats()` block; `bytes` counts bytes sent."""
+    """Collectives run by this rank inside a `comm_stats()` block; `bytes` counts bytes sent.
+
+    `fallbacks` counts, per op, the calls that ran by the broadcast fallback (no SBP rule):
+    they are not collectives, so `calls` leaves them out.
+    """
 
     calls: int = 0
     bytes: int = 0
     by_kind: Counter = field(default_factory=Counter)
     bytes_by_kind: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
 
     def record(self, kind: str, nbytes: int) -> None:
         self.calls += 1
@@ -25,6 +30,11 @@ class CommStats:
 
 
 _active: list[CommStats] = []
+
+
+def record_fallback(op: str) -> None:
+    for stats in _active:
+        stats.fallbacks[op] += 1
 
 
 def record(kind: str, nbytes: int) -> None:

@@ -194,13 +194,15 @@ def layer_norm_backward(call: Call) -> list[Strategy]:
 @register_strategy(aten.embedding)
 def embedding(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
-    return [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]
+    cands = [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]
+    return cands + [Strategy((split(1), B), (split(ndim),))]  # column split: no communication
 
 
 @register_strategy(aten.embedding_dense_backward)
 def embedding_backward(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
-    return [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+    cands = [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+    return cands + [Strategy((split(ndim), B), (split(1),))]  # column split
 
 
 # ---------------------------------------------------------------- dropout and random ops

@@ -152,3 +152,11 @@ def vector_norm(func, args, kwargs):
 def _finish(out, root):
     out = without_partials(out)
     return out if root is None else out.pow(root)
+
+
+@register(aten.any.default, aten.all.default)
+def any_all(func, args, kwargs):
+    """any/all of the whole tensor: a max/min of 0-1 flags, reduced like amax/amin."""
+    flags = aten._to_copy.default(without_partials(args[0]) != 0, dtype=torch.int32)
+    out = flags.amax() if func is aten.any.default else flags.amin()
+    return without_partials(out) != 0

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from sbp import env, local_constants
 from sbp.boxing import plan_specs
@@ -287,20 +286,10 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 # ---------------------------------------------------------------- the strategy engine
 
 
-def _meta(a):
-    GT = _global_type()
-    if isinstance(a, GT):
-        return torch.empty(a.shape, dtype=a.dtype, device="meta")
-    if isinstance(a, torch.Tensor):
-        return a.to("meta")
-    return a
-
-
 def _outputs_on_meta(func, args, kwargs):
-    out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
-    leaves, tree = flatten_outputs(out)
-    metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
-    return metas, tree
+    from sbp.ops.meta import outputs
+
+    return outputs(func, args, kwargs)
 
 
 @dataclass(frozen=True)
@@ -397,8 +386,13 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
 
     d = _cache.get(key)
     if d is None:
+        from sbp.ops.meta import NoMeta, run_data_dependent
+
         args, kwargs = unflatten(flat, tree)
-        d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
+        try:
+            d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
+        except NoMeta:
+            return run_data_dependent(func, flat, tree, gpos)
     if observers:
         observers[-1].strategy(func, rule, [flat[i]._spec for i in gpos], d)
     inside = d.inside
@@ -475,12 +469,12 @@ def _empty_outputs(out_specs: list, rank: int) -> list | None:
 
 
 def _warn_fallback(func) -> None:
-    """Ops with no rule run on broadcast inputs: warn once per op, count every call."""
+    """Ops with no rule run on broadcast inputs: warn once per op, count every call apart."""
     name = str(func)
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"sbp: no SBP rule for {name}; running it on broadcast inputs", stacklevel=4)
-    stats.record(f"fallback:{name}", 0)
+    stats.record_fallback(name)
 
 
 def _all_broadcast(call: Call) -> list[Strategy]:

@@ -1,0 +1,380 @@
+"""How global tensors meet the rest of torch (issue 9): ops with no meta kernel, comm stats,
+leaf gradients, no-op conversions, module re-boxing, in-place init, allocation ops, ranks
+outside a placement, and the first op not importing torch._dynamo. Expected values come from
+single-process torch on the logical tensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import sbp
+
+S0, S1, B, P = sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _logical(shape, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+# ---------------------------------------------------------------- item 11: first op
+
+
+def test_first_op_does_not_import_dynamo():
+    """Meta kernels wrapped in torch._disable_dynamo used to import torch._dynamo (~4 s)."""
+    code = (
+        "import sys, torch, sbp\n"
+        "P = sbp.placement.all('cpu')\n"
+        "x = sbp.to_global(torch.ones(4, 3), P, sbp.split(0))\n"
+        "y = (x + 1) * x - x.sum(0) / 2\n"
+        "z = (x @ x.t()).softmax(-1).mean()\n"
+        "print(round(z.item(), 6), 'torch._dynamo' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    value, dynamo = out.stdout.split()
+    x = torch.ones(4, 3)
+    assert float(value) == round((x @ x.t()).softmax(-1).mean().item(), 6)
+    assert dynamo == "False"
+
+
+# ---------------------------------------------------------------- item 3: no meta kernel
+
+
+def _no_meta_ops():
+    Pl = sbp.placement("cpu", [0, 1, 2])  # rank 3 is outside
+    a = _logical((5, 4))
+    b = a.clone()
+    b[4, 3] += 1
+    ga, gb = sbp.tensor(a, Pl, S0), sbp.tensor(b, Pl, S1)
+    ga2 = sbp.tensor(a, Pl, B)
+    nz = torch.nonzero(ga > 0.5)
+    ms = torch.masked_select(ga, ga > 0)
+    return (
+        ga.equal(ga2),
+        torch.equal(ga, gb),
+        (tuple(nz.shape), nz.sbp, nz.tolist()),
+        (tuple(ms.shape), ms.dtype, ms.tolist()),
+    )
+
+
+def test_ops_without_meta_kernel_give_the_logical_answer(pool4):
+    a = _logical((5, 4))
+    b = a.clone()
+    b[4, 3] += 1
+    nz, ms = torch.nonzero(a > 0.5), torch.masked_select(a, a > 0)
+    for rank, (same, differ, got_nz, got_ms) in enumerate(pool4.run(_no_meta_ops)):
+        assert got_nz[:2] == (tuple(nz.shape), (B,))  # every rank knows the shape
+        assert got_ms[:2] == (tuple(ms.shape), torch.float64)
+        if rank == 3:
+            continue
+        assert same is True and differ is False
+        assert got_nz[2] == nz.tolist() and got_ms[2] == ms.tolist()
+
+
+# ---------------------------------------------------------------- item 7: comm stats
+
+
+def _stats_of_fallback():
+    Pl = sbp.placement("cpu", [0, 1])
+    x = sbp.tensor(torch.arange(6.0).reshape(2, 3), Pl, B)
+    with sbp.comm_stats() as st:
+        y = torch.cumsum(x, 1)  # no rule, broadcast input: no collective at all
+    return st.calls, st.bytes, dict(st.fallbacks), y.tolist()
+
+
+def test_comm_stats_calls_count_collectives_only(pool4):
+    ref = torch.cumsum(torch.arange(6.0).reshape(2, 3), 1).tolist()
+    for rank, (calls, nbytes, fallbacks, y) in enumerate(pool4.run(_stats_of_fallback)):
+        if rank < 2:
+            assert calls == 0 and nbytes == 0 and y == ref
+            assert fallbacks == {"aten.cumsum.default": 1}
+
+
+# ---------------------------------------------------------------- item 4: leaf grads
+
+
+def _partial_leaf_grads():
+    P2 = sbp.placement("cpu", [[0, 1], [2, 3]])
+    w = _logical((4, 3), seed=1)
+    out = {}
+    for name, nd in {"PB": (P, B), "BP": (B, P), "PS1": (P, S1), "PP": (P, P)}.items():
+        leaf = sbp.tensor(w, P2, nd, requires_grad=True)
+        x = sbp.tensor(_logical((4, 3), seed=2), P2, (B, B))
+        with sbp.comm_stats() as st:
+            (leaf * x).sin().sum().backward()
+        out[name] = (leaf.grad.sbp, leaf.grad.full_tensor(), st.calls)
+    # a gradient that arrives partial on every hierarchy dim (a split batch, say)
+    g = _logical((4, 3), seed=3)
+    for name, nd in {"PB_from_PP": (P, B), "BP_from_PP": (B, P)}.items():
+        leaf = sbp.tensor(w, P2, nd, requires_grad=True)
+        (leaf * 1.0).backward(sbp.tensor(g, P2, (P, P)))
+        out[name] = (leaf.grad.sbp, leaf.grad.full_tensor(), None)
+    return out
+
+
+def test_leaf_grad_takes_the_leaf_sbp_partial_ones_included(pool4):
+    w = _logical((4, 3), seed=1).requires_grad_()
+    x = _logical((4, 3), seed=2)
+    (w * x).sin().sum().backward()
+    for r in pool4.run(_partial_leaf_grads):
+        for name, nd in {"PB": (P, B), "BP": (B, P), "PS1": (P, S1), "PP": (P, P)}.items():
+            got_sbp, got, _ = r[name]
+            assert got_sbp == nd, name
+            torch.testing.assert_close(got, w.grad)
+        for name, nd in {"PB_from_PP": (P, B), "BP_from_PP": (B, P)}.items():
+            got_sbp, got, _ = r[name]
+            assert got_sbp == nd, name
+            torch.testing.assert_close(got, _logical((4, 3), seed=3))
+
+
+# ---------------------------------------------------------------- item 6: no-op conversions
+
+
+def _no_op_conversions():
+    Pl = sbp.placement("cpu", [0, 1, 2, 3])
+    leaf = sbp.tensor(_logical((4, 3)), Pl, P, requires_grad=True)
+    with sbp.comm_stats() as st:
+        same = leaf.to_global(sbp=P)
+        (same * 2.0).backward(sbp.tensor(torch.ones(4, 3, dtype=torch.float64), Pl, P))
+    noop = (same is leaf, st.calls, leaf.grad.sbp, leaf.grad.full_tensor())
+
+    weight = _logical((10, 8), seed=4).requires_grad_()
+    idx = torch.tensor([[1, 2, 9], [0, 0, 5]])
+    w = sbp.tensor(weight.detach(), Pl, S1, requires_grad=True)
+    i = sbp.tensor(idx, Pl, B)
+    with sbp.comm_stats() as st:
+        out = torch.nn.functional.embedding(i, w)
+    forward_calls = st.calls
+    (out * out).sum().backward()
+    return noop, forward_calls, out.sbp, out.full_tensor(), w.grad.sbp, w.grad.full_tensor()
+
+
+def test_no_op_conversions_and_column_split_embedding_cost_nothing(pool4):
+    weight = _logical((10, 8), seed=4).requires_grad_()
+    idx = torch.tensor([[1, 2, 9], [0, 0, 5]])
+    out = torch.nn.functional.embedding(idx, weight)
+    (out * out).sum().backward()
+    for noop, calls, out_sbp, got, grad_sbp, grad in pool4.run(_no_op_conversions):
+        same, noop_calls, leaf_grad_sbp, leaf_grad = noop
+        assert same and noop_calls == 0 and leaf_grad_sbp == (P,)
+        torch.testing.assert_close(leaf_grad, torch.full((4, 3), 2.0, dtype=torch.float64))
+        assert calls == 0 and out_sbp == (sbp.split(2),) and grad_sbp == (S1,)
+        torch.testing.assert_close(got, out.detach())
+        torch.testing.assert_close(grad, weight.grad)
+
+
+# ---------------------------------------------------------------- item 9: allocation ops
+
+
+def _allocation_ops():
+    Pl = sbp.placement("cpu", [0, 1, 2])
+    x = sbp.tensor(_logical((5, 4)), Pl, S1)
+    p = sbp.tensor(_logical((5, 4)), Pl, P)
+    with sbp.comm_stats() as st:
+        made = {
+            "empty_strided": x.new_empty_strided((5, 4), (4, 1)),
+            "empty": x.new_empty((5, 4)),
+            "zeros": x.new_zeros((5, 4)),
+            "ones_other_shape": x.new_ones((2, 3)),
+            "full": x.new_full((5, 4), 7.0),
+            "partial": p.new_zeros((5, 4)),
+        }
+    kept = [made["empty_strided"].sbp, made["empty"].sbp]
+    out = {k: (t.sbp, t.full_tensor()) for k, t in made.items() if "empty" not in k}
+    calls_for_allocation = st.calls
+    # a split leaf whose gradient the caller still holds: autograd copies it into a new buffer
+    w = sbp.tensor(_logical((5, 4)), Pl, S1, requires_grad=True)
+    g = sbp.tensor(torch.full((5, 4), 3.0, dtype=torch.float64), Pl, S1)
+    with sbp.comm_stats() as st:
+        w.backward(g)
+    calls_for_allocation += st.calls
+    return out, kept, calls_for_allocation, w.grad.sbp, w.grad.full_tensor()
+
+
+def test_allocation_ops_keep_the_layout(pool4):
+    for rank, (out, kept, calls, grad_sbp, grad) in enumerate(pool4.run(_allocation_ops)):
+        assert kept == [(S1,), (S1,)] and out["partial"][0] == (B,)
+        assert out["zeros"][0] == (S1,) and out["ones_other_shape"][0] == (B,)
+        assert grad_sbp == (S1,) and calls == 0
+        if rank == 3:
+            continue
+        assert torch.equal(out["zeros"][1], torch.zeros(5, 4, dtype=torch.float64))
+        assert torch.equal(out["ones_other_shape"][1], torch.ones(2, 3, dtype=torch.float64))
+        assert torch.equal(out["full"][1], torch.full((5, 4), 7.0, dtype=torch.float64))
+        assert torch.equal(out["partial"][1], torch.zeros(5, 4, dtype=torch.float64))
+        torch.testing.assert_close(grad, torch.full((5, 4), 3.0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- item 10: outside ranks
+
+
+def _outside_ranks():
+    me = sbp.env.get_rank()
+    Pl = sbp.placement("cpu", [0, 1, 2])
+    value = _logical((6, 2))
+    local = (
+        value[tuple(sbp.local_slices((6, 2), Pl, S0, me))]
+        if me in Pl
+        else torch.zeros(9, dtype=torch.int8)
+    )
+    out = {}
+    for check in (True, False):
+        g = sbp.to_global(local, Pl, S0, check_meta=check)
+        b = sbp.to_global(
+            value if me in Pl else torch.ones(3, dtype=torch.int32), Pl, B, check_meta=check
+        )
+        out[check] = (tuple(g.shape), g.dtype, tuple(b.shape), b.dtype, g.tolist(), b.tolist())
+    return out
+
+
+def test_ranks_outside_the_placement_take_the_logical_dtype_and_shape(pool4):
+    value = _logical((6, 2))
+    for rank, out in enumerate(pool4.run(_outside_ranks)):
+        for check in (True, False):
+            shape, dtype, bshape, bdtype, g, b = out[check]
+            assert (shape, dtype, bshape, bdtype) == ((6, 2), torch.float64, (6, 2), torch.float64)
+            if rank < 3:
+                assert g == value.tolist() and b == value.tolist()
+
+
+# ---------------------------------------------------------------- item 5: module re-box
+
+
+def _rebox_module():
+    Pl = sbp.placement("cpu", [0, 1])
+    P4 = sbp.placement("cpu", [[0, 1], [2, 3]])
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6).double()
+    model = torch.nn.Sequential(lin, torch.nn.BatchNorm1d(6).double(), lin)
+    model.to_global(Pl, B)
+    out = model.to_global(P4, (B, B))  # another placement: parameters and buffers move
+    params = list(model.parameters())
+    moved = (
+        out is model,
+        model[0].weight is model[2].weight,
+        all(isinstance(p, torch.nn.Parameter) and p.placement == P4 for p in params),
+        model[1].running_var.placement == P4 and model[1].num_batches_tracked.placement == P4,
+    )
+    torch.manual_seed(0)
+    single = torch.nn.Linear(4, 6).double().to_global(Pl, B)
+    single.to_global(Pl, S0)  # another sbp: re-split
+    x = sbp.tensor(_logical((3, 4)), Pl, B)
+    single(x).sum().backward()
+    w = single.weight
+    return moved, (w.sbp, single.bias.sbp), w.full_tensor(), w.grad.sbp, w.grad.full_tensor()
+
+
+def test_module_to_global_on_a_global_module_reboxes(pool4):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6).double()
+    lin(_logical((3, 4))).sum().backward()
+    for rank, (moved, sbps, w, grad_sbp, grad) in enumerate(pool4.run(_rebox_module)):
+        assert moved == (True, True, True, True)
+        assert sbps == ((S0,), (S0,)) and grad_sbp == (S0,)
+        if rank < 2:
+            torch.testing.assert_close(w, lin.weight.detach())
+            torch.testing.assert_close(grad, lin.weight.grad)
+
+
+# ---------------------------------------------------------------- item 2: in-place init
+
+
+INITS = {
+    "normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0),
+    "uniform_": lambda t: torch.nn.init.uniform_(t, -3.0, 1.0),
+    "kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t, a=5**0.5),
+    "trunc_normal_": lambda t: torch.nn.init.trunc_normal_(t, std=0.7, a=-1.0, b=1.0),
+}
+LAYOUTS = {"S1": ("1d", (S1,)), "B": ("1d", (B,)), "BS0": ("2d", (B, S0)), "PS1": ("2d", (P, S1))}
+
+
+def _inplace_init():
+    # every rank in the placement: trunc_normal_ loops on `mask.any()`, a logical value
+    places = {
+        "1d": sbp.placement("cpu", [0, 1, 2, 3]),
+        "2d": sbp.placement("cpu", [[0, 1], [2, 3]]),
+    }
+    out = {}
+    for name, init in INITS.items():
+        for layout, (kind, nd) in LAYOUTS.items():
+            sbp.manual_seed(7)
+            t = sbp.zeros(40, 30, placement=places[kind], sbp=nd, dtype=torch.float64)
+            local_shape = tuple(t.to_local().shape)
+            with sbp.comm_stats() as st:
+                init(t)
+            kept = (t.sbp, tuple(t.to_local().shape) == local_shape, st.calls)
+            out[name, layout] = (kept, t.full_tensor())
+    return out
+
+
+def test_inplace_random_init_keeps_the_layout_and_the_value(pool4):
+    results = pool4.run(_inplace_init)
+    for name, init in INITS.items():
+        ref = torch.empty(40, 30, dtype=torch.float64)
+        init(ref)  # single-process torch: the distribution and its bounds
+        first = results[0][name, "S1"][1]
+        for r in results:
+            for layout, (_, nd) in LAYOUTS.items():
+                (got_sbp, same_local_shape, calls), value = r[name, layout]
+                expected_sbp = tuple(B if s == P else s for s in nd)
+                assert got_sbp == expected_sbp and same_local_shape, (name, layout)
+                # trunc_normal_'s rejection loop all-reduces one flag per round, nothing else
+                assert calls == 0 or (name == "trunc_normal_" and calls <= 20), (name, calls)
+                assert torch.equal(value, first), (name, layout)  # independent of the layout
+        lo, hi = ref.min().item(), ref.max().item()
+        if name in ("uniform_", "kaiming_uniform_", "trunc_normal_"):  # bounds by torch's formula
+            bound = {"uniform_": (-3.0, 1.0), "trunc_normal_": (-1.0, 1.0)}.get(name)
+            bound = bound or (-((1 / 30) ** 0.5), (1 / 30) ** 0.5)
+            assert bound[0] <= first.min() and first.max() <= bound[1], name
+            assert first.min() < lo + 0.1 * (hi - lo) and first.max() > hi - 0.1 * (hi - lo)
+        torch.testing.assert_close(first.mean(), ref.mean(), atol=0.15, rtol=0)
+        torch.testing.assert_close(first.std(), ref.std(), atol=0.1 * ref.std().item(), rtol=0)
+
+
+# ---------------------------------------------------------------- item 12: slice assignment
+
+SETITEMS = [
+    ((slice(1, 4), 2), 7.0),
+    ((slice(None), slice(1, 6, 2)), [1.0, 2.0, 3.0]),
+    ((Ellipsis, 0), -1.0),
+    ((-1,), [float(v) for v in range(6)]),
+    ((slice(0, 5, 3), slice(4, None)), 9.0),
+]
+
+
+def _setitem():
+    P2 = sbp.placement("cpu", [[0, 1], [2, 3]])
+    out = {}
+    for nd in [(S0, S1), (S1, S0), (B, S0), (P, S1), (B, B)]:
+        g = sbp.tensor(torch.arange(30.0).reshape(5, 6), P2, nd)
+        with sbp.comm_stats() as st:
+            for index, value in SETITEMS:
+                g[index] = (
+                    sbp.tensor(torch.tensor(value), P2, (B, B))
+                    if isinstance(value, list)
+                    else value
+                )
+        out[nd] = (g.full_tensor(), g.sbp, st.calls)
+    return out
+
+
+def test_slice_assignment_writes_the_logical_slice(pool4):
+    ref = torch.arange(30.0).reshape(5, 6)
+    for index, value in SETITEMS:
+        ref[index] = torch.tensor(value)
+    for out in pool4.run(_setitem):
+        for nd, (got, got_sbp, calls) in out.items():
+            assert torch.equal(got, ref), nd
+            assert got_sbp == tuple(B if s == P else s for s in nd)
+            assert calls == (1 if P in nd else 0), nd  # a partial tensor is reduced once
