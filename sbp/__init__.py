@@ -1,6 +1,6 @@
 """`sbp`: OneFlow-style global tensors (placement + SBP signature) for PyTorch."""
 
-from sbp import boxing, env
+from sbp import boxing, env, nn, utils
 from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
@@ -72,9 +72,11 @@ __all__ = [
     "empty",
     "full",
     "manual_seed",
+    "nn",
     "ones",
     "rand",
     "randn",
     "tensor",
+    "utils",
     "zeros",
 ]
