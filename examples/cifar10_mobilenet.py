@@ -185,7 +185,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--download", action="store_true", help="download CIFAR-10 into --data")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank and step")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ddp", action="store_true", help="torch DDP instead of global tensors")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
