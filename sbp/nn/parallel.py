@@ -14,6 +14,7 @@ and arguments and only fills in what a launcher already told us:
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch
@@ -30,6 +31,12 @@ def _ensure_process_group() -> None:
     env.init()
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _module_device(module: torch.nn.Module) -> torch.device | None:
