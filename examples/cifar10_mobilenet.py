@@ -127,7 +127,9 @@ def prepare_data(args: argparse.Namespace) -> None:
     real = os.path.join(args.data, torchvision.datasets.CIFAR10.base_folder, "data_batch_1")
     marker = synthetic_marker(args.data)
     if args.download:
-        torchvision.datasets.CIFAR10(args.data, download=True)
+        torchvision.datasets.CIFAR10(args.data, download=True)  # replaces synthetic files
+        if marker is not None:
+            os.remove(os.path.join(args.data, torchvision.datasets.CIFAR10.base_folder, MARKER))
     elif os.path.exists(real) and marker is None:
         pass  # the real dataset
     elif marker is None or (marker["train_size"], marker["test_size"]) != (
