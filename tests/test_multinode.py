@@ -4,11 +4,14 @@ The test makes the namespaces itself (private 10.200.x.x addresses on the veth p
 only, nothing else is touched), runs `--nnodes 2 --node_rank i --master_addr <node 0>`
 in each, and checks that a short data-parallel training equals one process. Where
 namespaces cannot be made (no root, no `ip`, no CAP_NET_ADMIN) it is skipped and says
-why. The namespaces are always removed.
+why. The namespaces are always removed. The Slurm sbatch file runs with stand-in
+`srun`/`scontrol` that start its two "nodes" on this machine.
 """
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -146,3 +149,51 @@ def test_two_nodes_train_like_one_process(tmp_path, two_namespaces):
         losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("rank ")]
         assert all(line.startswith(f"rank {node} ") for line in out.splitlines() if "loss" in line)
         assert losses == pytest.approx(expected, rel=1e-12, abs=1e-14)
+
+
+FAKE_SRUN = """\
+#!/bin/bash
+# stand-in srun: one task per node of a 2-node allocation, both on this machine
+shift  # --ntasks-per-node=1
+for node in 0 1; do SLURM_NODEID=$node SLURM_NNODES=2 "$@" & done
+wait
+"""
+
+
+def test_sbatch_file_with_stand_in_slurm(tmp_path):
+    """examples/slurm_cifar10.sbatch starts one launcher per node; they train together."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "NPROC_PER_NODE": "1",
+        "MASTER_PORT": str(free_port()),
+        "EXAMPLE": "examples/global_train.py",
+    }
+    res = subprocess.run(
+        ["bash", str(REPO / "examples" / "slurm_cifar10.sbatch")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    for rank in (0, 1):
+        mine = [line for line in res.stdout.splitlines() if line.startswith(f"[rank{rank}]:")]
+        start = next(i for i, line in enumerate(mine) if "w:tensor" in line)
+        w = [float(v) for v in re.findall(r"\[(-?\d+\.\d+)\]", " ".join(mine[start:]))]
+        assert w == pytest.approx([2.0, 3.0], abs=1e-3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
