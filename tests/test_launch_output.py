@@ -84,9 +84,12 @@ import time
 
 first = int(os.environ["FIRST"])
 if int(os.environ["RANK"]) == first:
+    while not os.path.exists("other_ready"):  # the other rank handles SIGTERM by now
+        time.sleep(0.01)
     print(f"rank {first} fails", file=sys.stderr, flush=True)
     sys.exit(3)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+open("other_ready", "w").close()
 time.sleep(60)
 """
 
