@@ -1,6 +1,6 @@
 """`sbp`: OneFlow-style global tensors (placement + SBP signature) for PyTorch."""
 
-from sbp import boxing, checkpoint, env  # checkpoint: registers torch.load's safe global
+from sbp import boxing, checkpoint, env, nn, utils  # checkpoint: registers torch.load's safe global
 from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
@@ -78,9 +78,11 @@ __all__ = [
     "global_mode",
     "implicit_replication",
     "manual_seed",
+    "nn",
     "ones",
     "rand",
     "randn",
     "tensor",
+    "utils",
     "zeros",
 ]

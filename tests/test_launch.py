@@ -2,6 +2,7 @@
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -180,8 +181,15 @@ def test_rank_logs_specs_names_folders_by_global_rank(tmp_path):
     )
     assert not (tmp_path / "rank_3" / "error.json").exists()
 
-    console = launch.RankLogsSpecs(tmp_path / "c").reify({0: {"RANK": "0"}})
-    assert console.stdouts == {0: ""} and console.stderrs == {0: ""}  # "" = inherit console
+    console_specs = launch.RankLogsSpecs(tmp_path / "c")
+    console = console_specs.reify({0: {"RANK": "0"}})
+    try:  # console output goes through named pipes outside the log folder
+        for path in (console.stdouts[0], console.stderrs[0]):
+            assert stat.S_ISFIFO(os.stat(path).st_mode)
+            assert not path.startswith(str(tmp_path))
+    finally:
+        console_specs.close()
+    assert not os.path.exists(console.stdouts[0])
 
 
 @pytest.mark.parametrize(

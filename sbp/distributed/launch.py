@@ -9,7 +9,10 @@ torchrun's. What we change:
 * ``--logdir DIR`` gives one flat folder per global rank, ``DIR/rank_<r>/``, instead of
   torchrun's ``<run id>_<random>/attempt_<n>/<local rank>/`` nesting (see `RankLogsSpecs`);
 * ``OMP_NUM_THREADS`` defaults to 1 for every job, so N workers do not oversubscribe the cores;
-* a failed worker gives a short summary on stderr and exit status 1 instead of a traceback.
+* a failed worker gives a short summary on stderr, naming the first worker to fail as the
+  root cause, and exit status 1 instead of a traceback;
+* workers' console output reaches the terminal one whole line at a time (never two ranks'
+  text in one line), with a ``[rank<r>]:`` prefix under ``--rank_prefix``.
 
 Example::
 
@@ -23,8 +26,11 @@ import contextlib
 import dataclasses
 import ipaddress
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
@@ -38,6 +44,8 @@ from torch.distributed.elastic.multiprocessing.api import (
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
+
+from sbp.distributed.worker_output import ExitTimes, PipeSet
 
 __all__ = ["DEFAULT_LOGDIR", "DEFAULT_MASTER_PORT", "RankLogsSpecs", "get_parser", "main"]
 
@@ -60,17 +68,26 @@ class RankLogsSpecs(LogsSpecs):
     Args:
         log_dir: the folder holding the per-rank folders; created when missing.
         redirect: redirect each worker's stdout and stderr to ``stdout.log`` /
-            ``stderr.log`` in its folder (not shown on the console) instead of inheriting
-            the launcher's. Either way the folder holds ``error.json`` when a worker that
+            ``stderr.log`` in its folder (not shown on the console) instead of the
+            launcher's. Either way the folder holds ``error.json`` when a worker that
             uses torch's ``@record`` fails.
+        rank_prefix: start each console line with ``[rank<r>]:`` (global rank).
+
+    Console output goes through named pipes (see `sbp.distributed.worker_output`), so
+    lines of different ranks never mix; call `close` after the run to write out the rest.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], redirect: bool = False) -> None:
+    def __init__(
+        self, log_dir: str | os.PathLike[str], redirect: bool = False, rank_prefix: bool = False
+    ) -> None:
         log_dir = os.path.abspath(os.fspath(log_dir))
         if os.path.isfile(log_dir):
             raise NotADirectoryError(f"--logdir {log_dir!r} is a file, not a folder")
         os.makedirs(log_dir, exist_ok=True)
         self.redirect = redirect
+        self.rank_prefix = rank_prefix
+        self.exit_times = ExitTimes()
+        self._pipes: PipeSet | None = None
         super().__init__(log_dir=log_dir, redirects=Std.ALL if redirect else Std.NONE)
 
     @property
@@ -102,11 +119,11 @@ class RankLogsSpecs(LogsSpecs):
             # into the same folder would be reported as this run's error.
             if os.path.exists(error_file):
                 os.remove(error_file)
-            # "" means: inherit the launcher's stream (torchrun's convention).
-            stdouts[local_rank] = os.path.join(folder, "stdout.log") if redirect_out else ""
-            stderrs[local_rank] = os.path.join(folder, "stderr.log") if redirect_err else ""
+            stdouts[local_rank] = self._stream(folder, "stdout", redirect_out, env, local_rank)
+            stderrs[local_rank] = self._stream(folder, "stderr", redirect_err, env, local_rank)
             error_files[local_rank] = error_file
             env["TORCHELASTIC_ERROR_FILE"] = error_file
+        self.exit_times.expect(len(envs))  # torchrun starts the workers right after this
         dest: dict[str, object] = {
             "stdouts": stdouts,
             "stderrs": stderrs,
@@ -123,6 +140,24 @@ class RankLogsSpecs(LogsSpecs):
                     self.root_log_dir, f"filtered_{stream}.log"
                 )
         return LogsDest(**dest)  # type: ignore[arg-type]
+
+    def _stream(self, folder: str, name: str, redirect: bool, env: dict, local_rank: int) -> str:
+        """Where one worker stream goes: its log file, or a pipe to the launcher's console."""
+        if redirect:
+            return os.path.join(folder, f"{name}.log")
+        if self._pipes is None:
+            self._pipes = PipeSet()
+        rank = int(env.get("RANK", local_rank))
+        stream = sys.stdout if name == "stdout" else sys.stderr
+        dest = getattr(stream, "buffer", None) or getattr(sys, f"__{name}__").buffer
+        prefix = f"[rank{rank}]:" if self.rank_prefix else ""
+        return self._pipes.pipe(f"rank_{rank}.{name}", dest, prefix)
+
+    def close(self) -> None:
+        """Write out the workers' last console output and remove the pipes."""
+        if self._pipes is not None:
+            self._pipes.close()
+            self._pipes = None
 
     def __repr__(self) -> str:
         return f"RankLogsSpecs(log_dir={self.root_log_dir!r}, redirects={self._redirects})"
@@ -242,6 +277,12 @@ def get_parser() -> argparse.ArgumentParser:
         f"instead of the console (DIR defaults to ./{DEFAULT_LOGDIR} when --logdir is not given)",
     )
     parser.add_argument(
+        "--rank_prefix",
+        "--rank-prefix",
+        action="store_true",
+        help="start every line a worker prints on the console with [rank<r>]: (global rank)",
+    )
+    parser.add_argument(
         "training_script",
         metavar="script.py",
         help="the program each worker runs (a module name with -m, an executable with --no_python)",
@@ -285,10 +326,9 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
     else:
         port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
         argv += ["--rdzv_backend=static", f"--master_port={port}"]
-    if args.logdir is not None:
-        # torchrun builds a DefaultLogsSpecs that we replace; devnull keeps it from making a
-        # temporary folder first.
-        argv.append(f"--log_dir={os.devnull}")
+    # torchrun builds a DefaultLogsSpecs that we replace; devnull keeps it from making a
+    # temporary folder first.
+    argv.append(f"--log_dir={os.devnull}")
     if args.module:
         argv.append("--module")
     if args.no_python:
@@ -338,11 +378,33 @@ def _stores_listen_on_loopback() -> Iterator[None]:
             m.TCPStore = old
 
 
-def _report_failure(err: BaseException, logs: RankLogsSpecs | None) -> None:
-    """Print one short line per failed worker (rank, exit code or signal, where to look)."""
+def _root_cause_order(failures: dict, logs: RankLogsSpecs) -> list:
+    """Failed ranks, first to fail first.
+
+    torchrun stamps failures with whole seconds when the worker left no error file, and
+    after the first failure it stops the others (SIGTERM), which then count as failed too.
+    The exit times we watched come first, then not-stopped-by-us, then torchrun's stamp.
+    """
+
+    def key(rank: int) -> tuple:
+        failure = failures[rank]
+        exited = logs.exit_times.times.get(failure.pid, float("inf"))
+        stopped = failure.exitcode == -signal.SIGTERM
+        return (exited, stopped, failure.timestamp, rank)
+
+    return sorted(failures, key=key)
+
+
+def _report_failure(err: BaseException, logs: RankLogsSpecs) -> None:
+    """Print one short line per failed worker, the root cause (first to fail) first."""
     failures = getattr(err, "failures", {})
-    print(f"sbp.distributed.launch: {len(failures)} worker(s) failed:", file=sys.stderr)
-    for rank, failure in sorted(failures.items()):
+    order = _root_cause_order(failures, logs)
+    head = f"sbp.distributed.launch: {len(failures)} worker(s) failed"
+    if order:
+        head += f"; root cause: rank {order[0]} (the first to fail)"
+    print(head + ":", file=sys.stderr)
+    for i, rank in enumerate(order):
+        failure = failures[rank]
         if failure.exitcode < 0:
             how = f"killed by signal {failure.signal_name()}"
         else:
@@ -353,8 +415,10 @@ def _report_failure(err: BaseException, logs: RankLogsSpecs | None) -> None:
             message = message.get("message", "")
         if message and not str(message).startswith(("To enable traceback", "Signal ")):
             line += f": {message}"
-        if logs is not None and logs.redirect:
+        if logs.redirect:
             line += f" (see {os.path.join(logs.rank_dir(rank), 'stderr.log')})"
+        if i == 0 and len(order) > 1:
+            line += "  <- root cause"
         print(line, file=sys.stderr)
 
 
@@ -375,21 +439,31 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     torchrun_args = get_args_parser().parse_args(_torchrun_argv(args))
     config, entrypoint, entry_args = config_from_args(torchrun_args)
-    logs: RankLogsSpecs | None = None
-    if args.logdir is not None:
-        logs = RankLogsSpecs(args.logdir, redirect=args.redirect_stdout_and_stderr)
-        config.logs_specs = logs
+    # Without --logdir the rank folders (error files only) live in a temporary folder.
+    scratch = None if args.logdir is not None else tempfile.mkdtemp(prefix="sbp_logs_")
+    logs = RankLogsSpecs(
+        args.logdir if scratch is None else scratch,
+        redirect=args.redirect_stdout_and_stderr,
+        rank_prefix=args.rank_prefix,
+    )
+    config.logs_specs = logs
 
     bind = _stores_listen_on_loopback() if _is_loopback(args.master_addr) else nullcontext()
     try:
         with bind:
             elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as err:
+        logs.close()  # the workers' last lines before the summary
         _report_failure(err, logs)
         sys.exit(1)
     except SignalException as err:
+        logs.close()
         print(f"sbp.distributed.launch: stopped by {err.sigval.name}", file=sys.stderr)
         sys.exit(128 + int(err.sigval))
+    finally:
+        logs.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Modules on global tensors: the data-parallel fast path of `module.to_global`."""
+"""`sbp.nn`: modules on global tensors: the data-parallel fast path of `module.to_global`
+(`fast_path`) and torch DDP with sbp's environment (`parallel`)."""
 
-from sbp.nn import fast_path
+from sbp.nn import fast_path, parallel
 from sbp.nn.fast_path import data_parallel, no_sync
 from sbp.nn.module import module_to_global
 
-__all__ = ["data_parallel", "fast_path", "module_to_global", "no_sync"]
+__all__ = ["data_parallel", "fast_path", "module_to_global", "no_sync", "parallel"]
