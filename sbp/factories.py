@@ -17,7 +17,7 @@ import torch
 from sbp import comm, env
 from sbp import random as sbp_random
 from sbp.boxing.executor import local_device
-from sbp.comm import agreement
+from sbp.comm import agreement, stats
 from sbp.errors import InputTypeError, PlacementError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
@@ -77,7 +77,8 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
         }
     except SbpError as e:
         error = e
-    comm.exchange(description, agreement.world(), what="sbp.tensor data", error=error)
+    with stats.paused():  # a check of the arguments, not a collective of the tensor's
+        comm.exchange(description, agreement.world(), what="sbp.tensor data", error=error)
     return from_logical(value.clone(), placement, sbp, requires_grad)
 
 

@@ -245,11 +245,10 @@ def _train_global(opt_name: str, load_dir, save_dir: str, steps: range, split_fc
     """Data-parallel steps on the whole world; fc1.weight split(0) over ranks if asked."""
     me, world = sbp.env.get_rank(), sbp.env.get_world_size()
     P = sbp.placement("cpu", list(range(world)))
-    model = _model()
+    model = _model().to_global(P, B)  # then fc1.weight re-split (to_global re-boxes globals)
     if split_fc1:
         w = model.fc1.weight.detach()
-        model.fc1.weight = torch.nn.Parameter(sbp.tensor(w, placement=P, sbp=S0))
-    model.to_global(P, B)
+        model.fc1.weight = torch.nn.Parameter(w.to_global(sbp=S0))
     opt = _optimizer(opt_name, model.parameters())
     assert sbp.checkpoint.load_training_state(load_dir, model, opt) == steps.start
     batches = _batches()
@@ -332,10 +331,10 @@ def test_truncated_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path)
 
 def _mixed_model(P) -> torch.nn.Module:
     """fc1.weight split(0), fc2.weight split(1), biases broadcast."""
-    model = _model()
+    model = _model().to_global(P, B)  # then re-split (to_global re-boxes global parameters)
     for layer, s in ((model.fc1, S0), (model.fc2, S1)):
-        layer.weight = torch.nn.Parameter(sbp.tensor(layer.weight.detach(), placement=P, sbp=s))
-    return model.to_global(P, B)
+        layer.weight = torch.nn.Parameter(layer.weight.detach().to_global(sbp=s))
+    return model
 
 
 def _hand_off(directory: str):
@@ -350,11 +349,8 @@ def _hand_off(directory: str):
     # Another model with other values and sbps loads the plain file: each parameter is
     # distributed by its own sbp.
     torch.manual_seed(100)  # sbp.tensor takes the same logical value on every rank
-    other = MLP().double()
-    other.fc1.weight = torch.nn.Parameter(
-        sbp.tensor(other.fc1.weight.detach(), placement=P, sbp=S1)
-    )
-    other.to_global(P, B)
+    other = MLP().double().to_global(P, B)
+    other.fc1.weight = torch.nn.Parameter(other.fc1.weight.detach().to_global(sbp=S1))
     plain = torch.load(os.path.join(directory, "model.pt"), weights_only=True)
     other.load_state_dict(plain)
     loaded = {k: v.full_tensor() for k, v in other.state_dict().items()}
