@@ -58,9 +58,23 @@ FACTORIES = frozenset(
 _replicating: list[bool] = []  # a stack: one entry per active implicit_replication
 
 
+_suspended: list[bool] = []  # the data-parallel fast path's local runs (sbp.nn.fast_path)
+
+
 def replicating() -> bool:
     """Is an `implicit_replication()` active? (read by the dispatcher's argument scan)"""
-    return bool(_replicating)
+    return bool(_replicating) and not _suspended
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Inside, factories make local tensors and nothing is replicated: a module running on
+    local shards (the data-parallel fast path) makes its constants as one process would."""
+    _suspended.append(True)
+    try:
+        yield
+    finally:
+        _suspended.pop()
 
 
 def _checking() -> bool:
@@ -128,14 +142,14 @@ def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: li
 
 
 def _called_by_sbp() -> bool:
-    """Is sbp's own machinery (not a user's script or test helper) on the call stack?"""
+    """Was the factory called by sbp's own machinery (not a user's script, model or test
+    helper)? The first caller outside torch's own Python code decides: a model's forward
+    run by sbp (the data-parallel fast path) still makes global constants."""
     frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("sbp.") and not name.startswith(("sbp.testing", __name__)):
-            return True
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
         frame = frame.f_back
-    return False
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name.startswith("sbp.") and not name.startswith(("sbp.testing", __name__))
 
 
 def _stays_local(kwargs: dict) -> bool:
@@ -151,7 +165,7 @@ class _GlobalFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in FACTORIES or _stays_local(kwargs) or _called_by_sbp():
+        if func not in FACTORIES or _suspended or _stays_local(kwargs) or _called_by_sbp():
             return func(*args, **kwargs)
         from sbp.factories import from_logical
 

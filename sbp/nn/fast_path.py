@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from sbp import comm, env, gradients, random
+from sbp import comm, env, gradients, local_constants, random
 from sbp.layout import GlobalSpec
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, same_layout
@@ -417,9 +417,9 @@ class DataParallel:
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
         leaves = self._local_leaves(data_nd)
         run = _Run(self, layout, data_nd)
-        with self._swapped(leaves):
-            with _LocalOps(run) if self._module_ref.training else contextlib.nullcontext():
-                out = self._original(*largs, **lkwargs)
+        local_ops = _LocalOps(run) if self._module_ref.training else contextlib.nullcontext()
+        with self._swapped(leaves), local_constants.suspended(), local_ops:
+            out = self._original(*largs, **lkwargs)
         if (run.bn_calls, run.dropouts) != (len(layout.bn_counts), layout.dropouts):
             raise RuntimeError(
                 f"sbp data-parallel fast path: {run.bn_calls} BatchNorm and {run.dropouts} "
