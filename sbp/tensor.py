@@ -43,6 +43,31 @@ class GlobalTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # ------------------------------------------------------------ torch.compile
+    def __tensor_flatten__(self):
+        """For tracing: the local tensor is the one inner tensor; the spec is the context, so
+        Dynamo guards on placement, sbp and shape and recompiles when they change."""
+        return ["_local"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        spec, requires_grad = ctx
+        return GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
+
+    def __coerce_tangent_metadata__(self):
+        """A tangent that is a partial sum is made whole (the traced backward assumes so)."""
+        whole = partials_to_broadcast(self._spec.nd_sbp)
+        if whole == self._spec.nd_sbp:
+            return self
+        return self.to_global(sbp=whole)
+
+    def __coerce_same_metadata_as_tangent__(self, ctx, expected_type=None):
+        """A runtime gradient in another layout than the traced one is re-boxed to it."""
+        if expected_type is not None:
+            return None
+        spec, _ = ctx
+        return self.to_global(spec.placement, spec.nd_sbp)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs or {})

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import cost, stats
+from sbp.comm import cost, functional, stats
 from sbp.comm.groups import get_group
-from sbp.errors import CommTimeoutError
+from sbp.errors import CommTimeoutError, PlacementError
 
 Ranks = tuple[int, ...]
 
@@ -50,6 +50,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
         output.copy_(input.reshape(output.shape))
         return output
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
+    if functional.tracing(input):
+        return output.copy_(functional.all_gather(input, ranks).view(output.shape))
     with _timeouts("all_gather", ranks):
         _all_gather_single(output, input, group=get_group(ranks))
     return output
@@ -60,6 +62,8 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     if len(ranks) == 1:
         return tensor
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
+    if functional.tracing(tensor):
+        return tensor.copy_(functional.all_reduce(tensor, op, ranks))
     with _timeouts("all_reduce", ranks):
         dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks))
     return tensor
@@ -73,6 +77,8 @@ def reduce_scatter(
         output.copy_(input.reshape(output.shape))
         return output
     stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
+    if functional.tracing(input):
+        return output.copy_(functional.reduce_scatter(input, op, ranks).view(output.shape))
     with _timeouts("reduce_scatter", ranks):
         _reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=get_group(ranks))
     return output
@@ -92,6 +98,9 @@ def all_to_all(
         return output
     row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
     stats.record("all_to_all", cost.all_to_all_bytes([s * row for s in input_splits], me))
+    if functional.tracing(input):
+        got = functional.all_to_all(input, output_splits, input_splits, ranks)
+        return output.copy_(got.view(output.shape))
     with _timeouts("all_to_all", ranks):
         dist.all_to_all_single(
             output, input, list(output_splits), list(input_splits), group=get_group(ranks)
@@ -104,6 +113,8 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     if len(ranks) == 1:
         return tensor
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
+    if functional.tracing(tensor):
+        return tensor.copy_(functional.broadcast(tensor, src, ranks))
     with _timeouts("broadcast", ranks):
         dist.broadcast(tensor, src=src, group=get_group(ranks))
     return tensor
@@ -118,6 +129,11 @@ def exchange_p2p(
     """
     if not sends and not recvs:
         return
+    if functional.tracing((sends or recvs)[0][0]):
+        raise PlacementError(
+            "moving a global tensor between placements (send/recv) cannot be traced by "
+            "torch.compile; do the move outside the compiled function"
+        )
     for t, _ in sends:
         stats.record("send", cost.broadcast_bytes(2, _nbytes(t)))
     peers = {env.get_rank(), *[p for _, p in sends], *[p for _, p in recvs]}

@@ -5,7 +5,7 @@ the registry runs by it; any other op falls back to boxing every global input
 to broadcast, running locally, and returning broadcast results (warned once).
 """
 
-from sbp.ops import basic, linalg, nn, optim, pointwise, reductions, views  # noqa: F401 - register rules
+from sbp.ops import basic, linalg, nn, optim, pointwise, reductions, traced, views  # noqa: F401 - register rules
 from sbp.ops.registry import dispatch, register
 
 __all__ = ["dispatch", "register"]
