@@ -47,6 +47,8 @@ class GlobalTensor(torch.Tensor):
     def __tensor_flatten__(self):
         """For tracing: the local tensor is the one inner tensor; the spec is the context, so
         Dynamo guards on placement, sbp and shape and recompiles when they change."""
+        _static_sizes(self)
+        _static_sizes(self._local)
         return ["_local"], (self._spec, self.requires_grad)
 
     @staticmethod
@@ -139,6 +141,14 @@ class GlobalTensor(torch.Tensor):
         if self.dim() == 0:
             return format(self.item(), spec)
         return format(str(self), spec)
+
+
+def _static_sizes(t: torch.Tensor) -> None:
+    """Keep Dynamo from tracing sizes as symbols: layouts are plain ints, and a changed
+    spec (the flatten context) recompiles anyway. Without this, a local size that varies
+    between calls (split, then broadcast) would become symbolic in the next graph."""
+    if getattr(t, "_dynamo_static_indices", None) is None:
+        t._dynamo_static_indices = set(range(t.dim()))
 
 
 def _dispatch(func, args, kwargs):
