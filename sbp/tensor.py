@@ -9,6 +9,7 @@ with the transposed conversion.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,6 +56,13 @@ class GlobalTensor(torch.Tensor):
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         spec, requires_grad = ctx
         return GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOT autograd's on-disk cache key. Ranks trace different graphs for the same layout
+        (each holds its own part; B -> P keeps the value on one rank), and may share one
+        cache directory, so the rank is part of the key."""
+        key = f"{self._spec!r}|{self.requires_grad}|{self._local.device}|rank {env.get_rank()}"
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __coerce_tangent_metadata__(self):
         """A tangent that is a partial sum is made whole (the traced backward assumes so)."""

@@ -56,7 +56,17 @@ class ConvBN(torch.nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
-MODELS = {"mlp": (MLP, (8,)), "convbn": (ConvBN, (3, 8, 8))}
+def _mobilenet():
+    import torchvision
+
+    return torchvision.models.mobilenet_v2(num_classes=4, dropout=0.0)
+
+
+MODELS = {
+    "mlp": (MLP, (8,)),
+    "convbn": (ConvBN, (3, 8, 8)),
+    "mobilenet_v2": (_mobilenet, (3, 32, 32)),
+}
 
 
 def _model(name):
@@ -149,7 +159,10 @@ def _close(got, want, tol=TOL):
             assert abs(a - b) <= tol * max(1.0, abs(b))
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+WORLDS = [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", ["mlp", "convbn"])
 def test_compiled_data_parallel_equals_eager_and_one_process(request, world, name):
     """fullgraph compiled forward + backward and compiled SGD steps; BatchNorm is logical."""
@@ -328,3 +341,15 @@ def test_gradients_in_other_layouts_than_the_outputs(pool2):
         for _, got, _ in grads:
             _close([got], [want])
         assert [g[2] for g in grads] == [(B,), (S0,), (B,)]  # each leaf's grad in its sbp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_compiled_mobilenet_v2_data_parallel_equals_one_process(request, world):
+    """mobilenet_v2, fullgraph, logical BatchNorm over the split batch (52 BatchNorms)."""
+    pool = request.getfixturevalue(f"pool{world}")
+    ref = _train(_model("mobilenet_v2"), _batches("mobilenet_v2"), _cross_entropy, lambda t: t)
+    for eager, compiled, frames in pool.run(_data_parallel, "mobilenet_v2", timeout=1800):
+        assert frames == 1
+        _close(eager, ref, 1e-9)
+        _close(compiled, ref, 1e-9)
