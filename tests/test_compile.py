@@ -353,3 +353,35 @@ def test_compiled_mobilenet_v2_data_parallel_equals_one_process(request, world):
         assert frames == 1
         _close(eager, ref, 1e-9)
         _close(compiled, ref, 1e-9)
+
+
+def _add_partial_into(w, x):
+    w.add_(x.sum(0))  # x split(0): its sum is a partial sum, so eager makes w partial
+    return w * 2
+
+
+def _inplace_layout_change():
+    P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    w = sbp.tensor(torch.ones(3, dtype=torch.float64), placement=P, sbp=B)
+    eager = _add_partial_into(w, sbp.tensor(x, placement=P, sbp=S0)).full_tensor()
+    w = sbp.tensor(torch.ones(3, dtype=torch.float64), placement=P, sbp=B)
+    f = torch.compile(_add_partial_into, backend=_counter(), fullgraph=True)
+    try:
+        f(w, sbp.tensor(x, placement=P, sbp=S0))
+        error = None
+    except Exception as e:  # Dynamo wraps errors raised while it propagates fake tensors
+        error = str(e)
+    return eager, error, tuple(w.sbp), w.full_tensor()
+
+
+def test_inplace_layout_change_is_refused_while_tracing(pool2):
+    """Eager, `w.add_(partial)` makes `w` partial; a graph cannot change its input's layout,
+    so tracing refuses it on every rank alike (no rank compiles a different program) and
+    leaves `w` as it was."""
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    for eager, error, sbp_after, w in pool2.run(_inplace_layout_change):
+        _close([eager], [2 * (1 + x.sum(0))])
+        assert "in-place op would change its input from sbp (B) to (P)" in error
+        assert sbp_after == (B,)
+        _close([w], [torch.ones(3, dtype=torch.float64)])
