@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     report, misses = _report(rows)
     common.print_report(report, {"misses of the 1.10x target": misses})
     payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
-    path = common.write_results("compile", payload, None if args.out is None else _path(args.out))
+    name = "compile" if args.backend == "inductor" else f"compile-{args.backend}"
+    path = common.write_results(name, payload, None if args.out is None else _path(args.out))
     print(f"wrote {path[0]}")
 
 
