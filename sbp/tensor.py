@@ -9,6 +9,7 @@ with the transposed conversion.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +51,40 @@ class GlobalTensor(torch.Tensor):
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ------------------------------------------------------------ torch.compile
+    def __tensor_flatten__(self):
+        """For tracing: the local tensor is the one inner tensor; the spec is the context, so
+        Dynamo guards on placement, sbp and shape and recompiles when they change."""
+        _static_sizes(self)
+        _static_sizes(self._local)
+        return ["_local"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        spec, requires_grad = ctx
+        return GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOT autograd's on-disk cache key. Ranks trace different graphs for the same layout
+        (each holds its own part; B -> P keeps the value on one rank), and may share one
+        cache directory, so the rank is part of the key."""
+        key = f"{self._spec!r}|{self.requires_grad}|{self._local.device}|rank {env.get_rank()}"
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self):
+        """A tangent that is a partial sum is made whole (the traced backward assumes so)."""
+        whole = partials_to_broadcast(self._spec.nd_sbp)
+        if whole == self._spec.nd_sbp:
+            return self
+        return self.to_global(sbp=whole)
+
+    def __coerce_same_metadata_as_tangent__(self, ctx, expected_type=None):
+        """A runtime gradient in another layout than the traced one is re-boxed to it."""
+        if expected_type is not None:
+            return None
+        spec, _ = ctx
+        return self.to_global(spec.placement, spec.nd_sbp)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -189,6 +224,14 @@ class GlobalTensor(torch.Tensor):
             if not (torch.is_grad_enabled() and (self.requires_grad or src.requires_grad)):
                 return checkpoint.copy_plain_value(self, src, non_blocking)
         return super().copy_(src, non_blocking)
+
+
+def _static_sizes(t: torch.Tensor) -> None:
+    """Keep Dynamo from tracing sizes as symbols: layouts are plain ints, and a changed
+    spec (the flatten context) recompiles anyway. Without this, a local size that varies
+    between calls (split, then broadcast) would become symbolic in the next graph."""
+    if getattr(t, "_dynamo_static_indices", None) is None:
+        t._dynamo_static_indices = set(range(t.dim()))
 
 
 def _dispatch(func, args, kwargs):

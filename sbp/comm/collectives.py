@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import cost, stats
+from sbp.comm import cost, functional, stats
 from sbp.comm.groups import get_group, group_order
-from sbp.errors import CommTimeoutError
+from sbp.errors import CommTimeoutError, PlacementError
 
 Ranks = tuple[int, ...]
 
@@ -100,8 +100,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
     order = group_order(ranks)
     target = output if order is None else torch.empty_like(output)
-    with guarded("all_gather", ranks):
-        _all_gather_single(target, input, group=get_group(ranks))
+    if functional.tracing(input):
+        target.copy_(functional.all_gather(input, ranks).view(target.shape))
+    else:
+        with guarded("all_gather", ranks):
+            _all_gather_single(target, input, group=get_group(ranks))
     if order is not None:
         _rows(output, len(ranks)).copy_(_rows(target, len(ranks))[order])
     return output
@@ -136,13 +139,16 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
         return tensor
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
     ordered = _nan_keeping(tensor, op)
-    with guarded("all_reduce", ranks):
-        if ordered is None:
-            dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks))
-            return tensor
-        work = ordered[0]
-        dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
-    tensor.copy_(_from_nan_keeping(work, ordered[1]))
+    work = tensor if ordered is None else ordered[0]
+    if functional.tracing(tensor):
+        work = functional.all_reduce(work, op, ranks)
+    else:
+        with guarded("all_reduce", ranks):
+            dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
+    if ordered is not None:
+        work = _from_nan_keeping(work, ordered[1])
+    if work is not tensor:
+        tensor.copy_(work)
     return tensor
 
 
@@ -188,10 +194,13 @@ def reduce_scatter(
     ordered = _nan_keeping(input, op)
     src = input if ordered is None else ordered[0]
     dst = output if ordered is None else src.new_empty(output.shape)
-    with guarded("reduce_scatter", ranks):
-        _reduce_scatter_single(
-            dst.reshape(-1), src.reshape(-1), op=REDUCE_OPS[op], group=get_group(ranks)
-        )
+    if functional.tracing(input):
+        dst.copy_(functional.reduce_scatter(src, op, ranks).view(dst.shape))
+    else:
+        with guarded("reduce_scatter", ranks):
+            _reduce_scatter_single(
+                dst.reshape(-1), src.reshape(-1), op=REDUCE_OPS[op], group=get_group(ranks)
+            )
     if ordered is not None:
         output.copy_(_from_nan_keeping(dst, ordered[1]))
     return output
@@ -219,10 +228,14 @@ def all_to_all(
         input_splits = [input_splits[i] for i in inverse]
         output_splits = [output_splits[i] for i in inverse]
         target = torch.empty_like(output)
-    with guarded("all_to_all", ranks):
-        dist.all_to_all_single(
-            target, input, list(output_splits), list(input_splits), group=get_group(ranks)
-        )
+    if functional.tracing(input):
+        got = functional.all_to_all(input, output_splits, input_splits, ranks)
+        target.copy_(got.view(target.shape))
+    else:
+        with guarded("all_to_all", ranks):
+            dist.all_to_all_single(
+                target, input, list(output_splits), list(input_splits), group=get_group(ranks)
+            )
     if order is not None:
         chunks = target.split(list(output_splits))
         torch.cat([chunks[j] for j in order], out=output)
@@ -234,6 +247,8 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     if len(ranks) == 1:
         return tensor
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
+    if functional.tracing(tensor):
+        return tensor.copy_(functional.broadcast(tensor, src, ranks))
     with guarded("broadcast", ranks):
         dist.broadcast(tensor, src=src, group=get_group(ranks))
     return tensor
@@ -248,6 +263,11 @@ def exchange_p2p(
     """
     if not sends and not recvs:
         return
+    if functional.tracing((sends or recvs)[0][0]):
+        raise PlacementError(
+            "moving a global tensor between placements (send/recv) cannot be traced by "
+            "torch.compile; do the move outside the compiled function"
+        )
     for t, _ in sends:
         stats.record("send", cost.broadcast_bytes(2, _nbytes(t)))
     peers = {env.get_rank(), *[p for _, p in sends], *[p for _, p in recvs]}

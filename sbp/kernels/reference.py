@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sbp.comm.functional import tracing
 from sbp.layout import elements_per_index
 
 
@@ -57,7 +58,7 @@ def staging(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> 
     at a peak; `sbp.boxing.empty_cache()` frees the kept ones.
     """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes > STAGING_LIMIT:
+    if nbytes > STAGING_LIMIT or tracing():  # a traced graph owns its buffers
         return torch.empty(numel, dtype=dtype, device=device)
     key = (slot, dtype, device)
     buf = _staging.get(key)

@@ -12,7 +12,7 @@ import torch
 
 from sbp import env
 from sbp.boxing.executor import empty_local
-from sbp.ops.registry import LOCAL_STATE_OPS, rebox, register
+from sbp.ops.registry import LOCAL_STATE_OPS, keep_layout_while_tracing, rebox, register
 from sbp.signature import broadcast, partials_to_broadcast
 
 aten = torch.ops.aten
@@ -59,6 +59,7 @@ def list_rule(func, args, kwargs):
                 continue
             aligned = rebox(t, targets[i])
             if li in written and aligned is not t:
+                keep_layout_while_tracing(func, t._spec, aligned._spec)
                 t._local, t._spec = aligned._local, aligned._spec
             locals_.append(aligned._local)
         local_args[li] = locals_

@@ -23,9 +23,10 @@ import torch
 from sbp import env, local_constants
 from sbp.boxing import plan_specs
 from sbp.comm import stats
-from sbp.errors import PlacementError
+from sbp.comm.functional import tracing
+from sbp.errors import PlacementError, SbpSignatureError
 from sbp.layout import GlobalSpec
-from sbp.signature import SBP, broadcast, partials_to_broadcast
+from sbp.signature import SBP, broadcast, format_nd_sbp, partials_to_broadcast
 
 _rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
@@ -395,12 +396,14 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             return run_data_dependent(func, flat, tree, gpos)
     if observers:
         observers[-1].strategy(func, rule, [flat[i]._spec for i in gpos], d)
+    inplace = is_inplace(func)
+    if inplace:
+        keep_layout_while_tracing(func, flat[gpos[0]]._spec, d.out_specs[0])
     inside = d.inside
     local_flat = list(flat)
     for i, req in zip(gpos, d.in_specs, strict=True):
         g = flat[i]
         local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
-    inplace = is_inplace(func)
     if inside:
         leaves = (
             None
@@ -433,6 +436,18 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         for t, s in zip(leaves, d.out_specs, strict=True)
     ]
     return unflatten_outputs(wrapped, d.out_tree)
+
+
+def keep_layout_while_tracing(func, before: GlobalSpec, after: GlobalSpec) -> None:
+    """An in-place op that would change its input's layout cannot be traced: the graph
+    input's spec is the compiled program's metadata (torch.compile forbids changing it), and
+    the new local tensor would not be the input's. Same error on every rank (specs agree)."""
+    if before != after and tracing():
+        raise SbpSignatureError(
+            f"{func}: under torch.compile this in-place op would change its input from sbp "
+            f"{format_nd_sbp(before.nd_sbp)} to {format_nd_sbp(after.nd_sbp)}; use the "
+            f"out-of-place op, or convert the input with .to_global(sbp=...) first"
+        )
 
 
 def rebox(g, nd_sbp) -> Any:

@@ -1,0 +1,222 @@
+"""torch.compile benchmark: one mobilenet_v2 training step, compiled and eager, sbp vs torch.
+
+One step is forward, cross-entropy, backward and an SGD step (the model is compiled; the
+optimizer runs eagerly in every method). Methods, timed side by side in the same run:
+
+world of one
+  torch-eager       plain torch (the anchor)
+  torch-compiled    torch.compile(model)
+  global-eager      parameters broadcast, batch split(0) on a placement of one rank
+  global-compiled   the same, torch.compile(model)
+  dtensor-compiled  DTensor (Replicate parameters, Shard(0) batch), torch.compile(model)
+world of two (each rank holds half the batch)
+  ddp-eager         torch DistributedDataParallel (the anchor)
+  ddp-compiled      torch.compile(DDP(model))
+  global-eager      parameters broadcast, batch split(0) over both ranks
+  global-compiled   the same, torch.compile(model)
+
+Target: global-compiled within 1.10x of torch-compiled (world of one) and of ddp-compiled
+(world of two). Compilation happens in the warm-up calls and is reported apart. Run
+`python benchmarks/compile.py` (minutes: Inductor compiles each model); `--backend
+aot_eager` traces without code generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+try:  # `python -m benchmarks.compile` from the repository root
+    from benchmarks import common
+except ImportError:  # `python benchmarks/compile.py`
+    import common
+
+TARGET = 1.10
+ANCHOR = {1: "torch-compiled", 2: "ddp-compiled"}
+
+
+def _model():
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0)
+
+
+def _step(model, opt, x, y) -> Callable[[], Any]:
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
+    import sbp
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(cfg["batch"], 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (cfg["batch"],), generator=g)
+    P = sbp.placement("cpu", list(range(world)))
+    local = sbp.local_slices(x.shape, P, sbp.split(0), P.coord(rank))
+    xl, yl = x[local].contiguous(), y[local[:1]].contiguous()
+    gx, gy = sbp.to_global(xl, P, sbp.split(0)), sbp.to_global(yl, P, sbp.split(0))
+    backend = cfg["backend"]
+    methods: dict[str, Callable[[], Any]] = {}
+
+    def add(name, build):
+        try:
+            methods[name] = build()
+        except Exception as e:  # a method that cannot be set up is reported, not fatal
+            methods[name] = _failing(_reason(e))
+
+    def global_model(compiled):
+        m = _model().to_global(P, sbp.broadcast)
+        run = torch.compile(m, backend=backend) if compiled else m
+        return _step(run, _sgd(m), gx, gy)
+
+    if world == 1:
+        add("torch-eager", lambda: _plain(False, backend, x, y))
+        add("torch-compiled", lambda: _plain(True, backend, x, y))
+        add("global-eager", lambda: global_model(False))
+        add("global-compiled", lambda: global_model(True))
+        add("dtensor-compiled", lambda: _dtensor(world, backend, xl, yl))
+    else:
+        add("ddp-eager", lambda: _ddp(False, backend, xl, yl))
+        add("ddp-compiled", lambda: _ddp(True, backend, xl, yl))
+        add("global-eager", lambda: global_model(False))
+        add("global-compiled", lambda: global_model(True))
+    return methods
+
+
+def _reason(e: BaseException) -> str:
+    """First and last lines of the error (a compiler failure names its cause last)."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+    return " ... ".join(dict.fromkeys([lines[0], lines[-1]]))[:400] if lines else repr(e)
+
+
+def _failing(error: str) -> Callable[[], Any]:
+    def fail():
+        raise RuntimeError(error)
+
+    return fail
+
+
+def _plain(compiled, backend, x, y):
+    m = _model()
+    return _step(torch.compile(m, backend=backend) if compiled else m, _sgd(m), x, y)
+
+
+def _ddp(compiled, backend, x, y):
+    from torch.nn.parallel import DistributedDataParallel
+
+    m = DistributedDataParallel(_model())
+    return _step(torch.compile(m, backend=backend) if compiled else m, _sgd(m), x, y)
+
+
+def _dtensor(world, backend, x, y):
+    from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = distribute_module(_model(), mesh)
+    dx = DTensor.from_local(x, mesh, [Shard(0)])
+    dy = DTensor.from_local(y, mesh, [Shard(0)])
+    return _step(torch.compile(m, backend=backend), _sgd(m), dx, dy)
+
+
+def _worker(rank: int, world: int, cfg: dict, path: str) -> None:
+    import json
+
+    warnings.filterwarnings("ignore")
+    methods = _methods(rank, world, cfg)
+    first = {}
+    for name, fn in methods.items():  # the first call compiles; time it apart
+        dist.barrier()
+        t0 = time.perf_counter()
+        try:
+            fn()
+            first[name] = time.perf_counter() - t0
+        except Exception as e:
+            methods[name] = _failing(_reason(e))
+            first[name] = None
+    timings = common.time_methods(methods, cfg["warmup"], cfg["rounds"])
+    firsts = common.max_over_ranks(list(first.values()))
+    if rank == 0:
+        rows = [
+            {"world": world, "method": name, "first_call_s": f, **timings[name].as_dict()}
+            for name, f in zip(methods, firsts, strict=True)
+        ]
+        with open(path, "w") as fh:
+            json.dump(rows, fh)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = {k: getattr(args, k) for k in ("batch", "warmup", "rounds", "backend")}
+    rows = []
+    for world in args.world_sizes:
+        rows += common.gather_rows(_worker, world, cfg)
+    report, misses = _report(rows)
+    common.print_report(report, {"misses of the 1.10x target": misses})
+    payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
+    name = "compile" if args.backend == "inductor" else f"compile-{args.backend}"
+    path = common.write_results(name, payload, None if args.out is None else _path(args.out))
+    print(f"wrote {path[0]}")
+
+
+def _path(p: str):
+    from pathlib import Path
+
+    return Path(p)
+
+
+def _report(rows: list[dict]) -> tuple[str, list[str]]:
+    table, misses = [], []
+    for world in sorted({r["world"] for r in rows}):
+        mine = {r["method"]: r for r in rows if r["world"] == world}
+        anchor = mine.get(ANCHOR[world], {}).get("median_ms")
+        eager = "torch-eager" if world == 1 else "ddp-eager"
+        base = mine.get(eager, {}).get("median_ms")
+        for name, r in mine.items():
+            med = r.get("median_ms")
+            vs_anchor = common.ratio(med, anchor)
+            table.append(
+                [
+                    world,
+                    name,
+                    common.fmt(med, ".1f"),
+                    common.fmt(common.ratio(med, base)),
+                    common.fmt(vs_anchor),
+                    common.fmt(r.get("first_call_s"), ".1f"),
+                    r.get("error", "")[:60] if "error" in r else "",
+                ]
+            )
+            if name == "global-compiled" and (vs_anchor is None or vs_anchor > TARGET):
+                misses.append(f"world {world}: global-compiled {common.fmt(vs_anchor)}x")
+    header = ["world", "method", "median ms", f"x {eager}", "x anchor", "1st call s", "error"]
+    header[3] = "x eager torch/DDP"
+    return common.table(table, header), misses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Functional collectives for tracing (torch.compile): results are new tensors, not writes.
+
+While Dynamo or AOT autograd traces, tensors are fake and an in-place collective
+such as `dist.all_reduce(t)` leaves no node in the graph: the compiled program
+would silently skip the communication. The `_c10d_functional` ops (what
+DTensor and `torch.distributed._functional_collectives` emit) return their
+result, followed by `wait_tensor`, so the graph keeps the collective and its
+data dependencies. `sbp.comm.collectives` switches to these when `tracing()`;
+the in-place contract of its wrappers is kept with a `copy_` of the result,
+which functionalization turns into plain data flow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sbp.comm.groups import get_group
+
+_ops = torch.ops._c10d_functional
+
+
+def tracing(t: torch.Tensor | None = None) -> bool:
+    """Is a graph being traced (Dynamo, AOT autograd) or is `t` a fake tensor?"""
+    if torch.compiler.is_compiling():
+        return True
+    if t is None:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _name(ranks: tuple[int, ...]) -> str:
+    return get_group(ranks).group_name
+
+
+def all_reduce(tensor: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.Tensor:
+    return _ops.wait_tensor(_ops.all_reduce(tensor, op, _name(ranks)))
+
+
+def all_gather(input: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+    """Equal-sized inputs of all ranks concatenated along dim 0."""
+    return _ops.wait_tensor(_ops.all_gather_into_tensor(input, len(ranks), _name(ranks)))
+
+
+def reduce_scatter(input: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.Tensor:
+    return _ops.wait_tensor(_ops.reduce_scatter_tensor(input, op, len(ranks), _name(ranks)))
+
+
+def all_to_all(
+    input: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    ranks: tuple[int, ...],
+) -> torch.Tensor:
+    out = _ops.all_to_all_single(input, list(output_splits), list(input_splits), _name(ranks))
+    return _ops.wait_tensor(out)
+
+
+def broadcast(tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> torch.Tensor:
+    """`src` is a global rank; the op wants its index in the group (ascending ranks)."""
+    return _ops.wait_tensor(_ops.broadcast(tensor, sorted(ranks).index(src), _name(ranks)))

@@ -1,0 +1,101 @@
+"""Rules for the BatchNorm ops that torch.compile traces and eager mode does not use.
+
+Eager BatchNorm reaches `aten.native_batch_norm`; Dynamo and AOT autograd trace
+`aten._native_batch_norm_legit` and its variants instead. Without rules here
+they would fall back to broadcast inputs (an all-gather of every activation).
+Each rule delegates to the eager rule `sbp.ops.nn.native_batch_norm`, so a
+traced BatchNorm computes the same logical statistics.
+
+Under AOT autograd, a rule must not read a buffer that the same op mutates in
+place: the running statistics are graph inputs, their update is copied back
+into them after the forward graph, and the backward graph may read the input
+again (saved or recomputed) and then sees the updated value. So in training,
+the statistics come from the batch alone (the running statistics are not
+passed to the eager rule), and the running statistics are updated afterwards
+from the returned batch mean and 1/std, with global ops that keep their layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sbp.ops.nn import native_batch_norm
+from sbp.ops.registry import register
+
+aten = torch.ops.aten
+_NATIVE = aten.native_batch_norm.default
+
+
+def _train(x, weight, bias, momentum: float, eps: float):
+    """(out, batch mean, batch 1/std, unbiased batch variance) without reading any buffer."""
+    out, mean, invstd = native_batch_norm(
+        _NATIVE, (x, weight, bias, None, None, True, momentum, eps), {}
+    )
+    n = math.prod(x.shape[d] for d in range(x.dim()) if d != 1)
+    with torch.no_grad():
+        unbiased = (invstd.pow(-2) - eps) * (n / max(n - 1, 1))
+    return out, mean, invstd, unbiased
+
+
+def _updated(running, batch, momentum: float):
+    """momentum-weighted running statistic, as a new global tensor (no mutation)."""
+    batch = batch.detach()
+    if batch.dtype != running.dtype:
+        batch = batch.to(running.dtype)
+    return running * (1 - momentum) + batch * momentum
+
+
+@register(aten._native_batch_norm_legit.default)
+def batch_norm_legit(func, args, kwargs):
+    """Train or eval with running statistics; updates them in place when training."""
+    x, weight, bias, running_mean, running_var, training, momentum, eps = _args(func, args, kwargs)
+    if not training:
+        return native_batch_norm(
+            _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
+        )
+    out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
+    with torch.no_grad():
+        running_mean.copy_(_updated(running_mean, mean, momentum))
+        running_var.copy_(_updated(running_var, unbiased, momentum))
+    return out, mean, invstd
+
+
+@register(aten._native_batch_norm_legit.no_stats)
+def batch_norm_legit_no_stats(func, args, kwargs):
+    x, weight, bias, training, momentum, eps = _args(func, args, kwargs)
+    return native_batch_norm(_NATIVE, (x, weight, bias, None, None, training, momentum, eps), {})
+
+
+@register(aten._native_batch_norm_legit_functional.default)
+def batch_norm_legit_functional(func, args, kwargs):
+    """Like `_native_batch_norm_legit`, returning the new running statistics instead."""
+    x, weight, bias, running_mean, running_var, training, momentum, eps = _args(func, args, kwargs)
+    if not training:
+        out, mean, invstd = native_batch_norm(
+            _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
+        )
+        return out, mean, invstd, running_mean.clone(), running_var.clone()
+    out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
+    with torch.no_grad():
+        new_mean = _updated(running_mean, mean, momentum)
+        new_var = _updated(running_var, unbiased, momentum)
+    return out, mean, invstd, new_mean, new_var
+
+
+@register(aten._native_batch_norm_legit_no_training.default)
+def batch_norm_legit_no_training(func, args, kwargs):
+    x, weight, bias, running_mean, running_var, momentum, eps = _args(func, args, kwargs)
+    return native_batch_norm(
+        _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
+    )
+
+
+def _args(func, args, kwargs) -> list:
+    """Positional arguments in schema order (keyword ones moved into place)."""
+    names = [a.name for a in func._schema.arguments]
+    out = list(args) + [None] * (len(names) - len(args))
+    for i, name in enumerate(names[len(args) :], start=len(args)):
+        out[i] = kwargs.get(name)
+    return out

@@ -1,0 +1,387 @@
+"""torch.compile on global tensors: whole graphs of local ops and functional collectives.
+
+Each compiled run is compared with the same steps in eager global mode and with
+single-process torch on the logical tensors, in float64, to 1e-10. The graphs are
+traced with AOT autograd and run by the `aot_eager` backend: the traced program
+(collectives, BatchNorm rules, backward) is what is checked; Inductor's code
+generation adds minutes of C++ compilation on this machine and is exercised by
+the slow test and `benchmarks/compile.py`.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
+TOL = 1e-10
+
+
+@pytest.fixture(scope="session")
+def pool1():
+    """One SPMD rank (a world of one with a process group)."""
+    from sbp.testing import get_pool
+
+    return get_pool(1)
+
+
+def _counter(backend="aot_eager"):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    return CompileCounterWithBackend(backend)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class ConvBN(torch.nn.Module):
+    """Convolution, BatchNorm (logical statistics over the split batch), linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4 * 6 * 6, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _mobilenet():
+    import torchvision
+
+    return torchvision.models.mobilenet_v2(num_classes=4, dropout=0.0)
+
+
+MODELS = {
+    "mlp": (MLP, (8,)),
+    "convbn": (ConvBN, (3, 8, 8)),
+    "mobilenet_v2": (_mobilenet, (3, 32, 32)),
+}
+
+
+def _model(name):
+    torch.manual_seed(4)
+    return MODELS[name][0]().double()
+
+
+def _batches(name, steps=3, batch=10):
+    g = torch.Generator().manual_seed(2)
+    shape = MODELS[name][1]
+    return [
+        (
+            torch.randn(batch, *shape, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (batch,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _cross_entropy(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.5)
+
+
+def _train(model, batches, loss_fn, place, step=None):
+    """Steps of SGD; returns losses, every step's gradients, final parameters and buffers.
+
+    `place(t)` makes a batch tensor global (identity for single-process torch);
+    `step` replaces `opt.step` (a compiled one, say)."""
+    opt = _sgd(model.parameters())
+    step = step(opt) if step else opt.step
+    losses, grads = [], []
+    for x, y in batches:
+        loss = loss_fn(model, place(x), place(y))
+        opt.zero_grad()
+        loss.backward()
+        grads.append([_full(p.grad) for p in model.parameters()])
+        step()
+        losses.append(loss.item())
+    return (
+        losses,
+        grads,
+        [_full(p) for p in model.parameters()],
+        [_full(b) for b in model.buffers()],
+    )
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, sbp.GlobalTensor) else t.detach()
+
+
+def _split_batch(P):
+    me = sbp.env.get_rank()
+
+    def place(t):
+        local = sbp.local_slices(t.shape, P, S0, P.coord(me))
+        return sbp.to_global(t[local], P, S0)
+
+    return place
+
+
+def _data_parallel(name):
+    """Broadcast parameters, split batch: eager global, then compiled model and optimizer step."""
+    P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    batches = _batches(name)
+    eager = _train(_model(name).to_global(P, B), batches, _cross_entropy, _split_batch(P))
+    counter = _counter()
+    loss_fn = torch.compile(_cross_entropy, backend=counter, fullgraph=True)
+    model = _model(name).to_global(P, B)
+
+    def step(opt):  # torch.optim breaks the graph on purpose at the start of step()
+        return torch.compile(opt.step, backend="aot_eager")
+
+    compiled = _train(model, batches, loss_fn, _split_batch(P), step)
+    return eager, compiled, counter.frame_count
+
+
+def _close(got, want, tol=TOL):
+    """Largest difference relative to the size of the reference, over lists of tensors."""
+    for a, b in zip(got, want, strict=True):
+        if isinstance(a, list):
+            _close(a, b, tol)
+        elif isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+        else:
+            assert abs(a - b) <= tol * max(1.0, abs(b))
+
+
+WORLDS = [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["mlp", "convbn"])
+def test_compiled_data_parallel_equals_eager_and_one_process(request, world, name):
+    """fullgraph compiled forward + backward and compiled SGD steps; BatchNorm is logical."""
+    pool = request.getfixturevalue(f"pool{world}")
+    ref = _train(_model(name), _batches(name), _cross_entropy, lambda t: t)
+    for eager, compiled, frames in pool.run(_data_parallel, name, timeout=600):
+        assert frames == 1  # one graph for the whole forward and loss, recompiled never
+        _close(eager, ref)
+        _close(compiled, ref)
+
+
+def _mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _mlp_2d():
+    """2x2 placement: weights split on dim 1 along the second hierarchy dim, batch on the first."""
+    me = sbp.env.get_rank()
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    results = []
+    for compiled in (False, True):
+        model = _model("mlp")
+        for layer in (model.fc1, model.fc2):
+            w = layer.weight.to_global(P, (B, B)).to_global(sbp=(B, S1))
+            layer.weight = torch.nn.Parameter(w)
+        model.to_global(P, (B, B))
+
+        def place(t):
+            return sbp.to_global(t[sbp.local_slices(t.shape, P, (S0, B), P.coord(me))], P, (S0, B))
+
+        counter = _counter()
+        loss_fn = torch.compile(_mse, backend=counter, fullgraph=True) if compiled else _mse
+        out = _train(model, _mlp_targets(), loss_fn, place)
+        results.append((out, [tuple(p.sbp) for p in model.parameters()], counter.frame_count))
+    return results
+
+
+def _mlp_targets():
+    g = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(7, 8, generator=g, dtype=torch.float64),
+            torch.randn(7, 4, generator=g, dtype=torch.float64),
+        )
+        for _ in range(3)
+    ]
+
+
+def test_compiled_split_weight_mlp_on_2x2_equals_one_process(pool4):
+    ref = _train(_model("mlp"), _mlp_targets(), _mse, lambda t: t)
+    for (eager, sbps, _), (compiled, csbps, frames) in pool4.run(_mlp_2d):
+        assert sbps == csbps == [(B, S1), (B, B), (B, S1), (B, B)]
+        assert frames == 1
+        _close(eager, ref)
+        _close(compiled, ref)
+
+
+def _graph_recorder():
+    """An AOT backend that keeps the forward and backward graphs it was given."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep), graphs
+
+
+def _ops_in(graph) -> list:
+    return [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def _dropped_collective(name, make_inplace):
+    """Loss of the compiled model; collectives are in-place ones on fake tensors if asked."""
+    from sbp.comm import functional
+
+    P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    model = _model(name).to_global(P, B)
+    x, y = _batches(name, steps=1)[0]
+    place = _split_batch(P)
+    backend, graphs = _graph_recorder()
+    tracing = functional.tracing
+    if make_inplace:
+        functional.tracing = lambda t=None: False
+    try:
+        loss = torch.compile(_cross_entropy, backend=backend, fullgraph=True)(
+            model, place(x), place(y)
+        )
+        if not make_inplace:  # (in-place ones leave a process group in the graph: no backward)
+            loss.backward()
+    finally:
+        functional.tracing = tracing
+        torch._dynamo.reset()
+    grads = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+    return loss.item(), grads, [_ops_in(g) for g in graphs]
+
+
+def test_no_collective_is_dropped_from_the_graph(pool2):
+    """In a world of 2 the compiled loss is the one-process loss; the graph holds the
+    all-reduces as functional collectives, each waited on. The same run with in-place
+    collectives on fake tensors (what tracing would do without the switch) loses them."""
+    all_reduce, wait = "_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"
+    model = _model("convbn")
+    x, y = _batches("convbn", steps=1)[0]
+    ref = _cross_entropy(model, x, y)
+    ref.backward()
+    ref_grads = [p.grad for p in model.parameters()]
+    for loss, grads, graphs in pool2.run(_dropped_collective, "convbn", False):
+        _close([loss], [ref.item()])
+        _close(grads, ref_grads)
+        forward = graphs[0]
+        # nll_loss (total weight) and BatchNorm (mean, variance; grads in backward)
+        assert forward.count(all_reduce) >= 3
+        assert forward.count(wait) == forward.count(all_reduce)
+        assert graphs[1].count(all_reduce) >= 1
+    for loss, _, graphs in pool2.run(_dropped_collective, "convbn", True):
+        assert abs(loss - ref.item()) > 1e-3  # the hazard is real: this is what is prevented
+        assert all_reduce not in graphs[0]
+
+
+def _layout_guards():
+    """One compiled function fed inputs of several layouts and placements."""
+    world = sbp.env.get_world_size()
+    P, Q = sbp.placement("cpu", list(range(world))), sbp.placement("cpu", list(range(world))[::-1])
+    torch.manual_seed(5)
+    w, x = torch.randn(6, 3, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    counter = _counter()
+    f = torch.compile(lambda x, w: (x @ w).relu().sum(0), backend=counter, fullgraph=True)
+    cases = [(P, S0, B), (P, B, B), (P, S0, B), (P, S1, S0), (Q, S0, B), (P, S0, B)]
+    out = []
+    for place, sx, sw in cases:
+        got = f(sbp.tensor(x, placement=place, sbp=sx), sbp.tensor(w, placement=place, sbp=sw))
+        out.append((got.full_tensor(), tuple(got.sbp), counter.frame_count))
+    return out, (x @ w).relu().sum(0)
+
+
+def test_a_new_placement_or_sbp_recompiles(pool2):
+    """Dynamo guards on the spec: a new layout gets its own graph, a seen one reuses its own."""
+    for out, ref in pool2.run(_layout_guards):
+        assert [frames for _, _, frames in out] == [1, 2, 2, 3, 4, 4]
+        for got, _, _ in out:
+            _close([got], [ref])
+        # sum(0) of a batch split is a partial sum; of a broadcast batch, broadcast
+        assert [s for _, s, _ in out] == [(sbp.partial_sum,)] + [(B,)] + [(sbp.partial_sum,)] * 4
+
+
+def _tangent_layouts():
+    """Backward from compiled outputs, with gradients in other layouts than the outputs'."""
+    P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    torch.manual_seed(6)
+    w, x = torch.randn(6, 3, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    dy = torch.randn(5, 3, dtype=torch.float64)
+    f = torch.compile(lambda x, w: (x @ w) * 2, backend=_counter(), fullgraph=True)
+    grads = []
+    for sx, sw, sdy in [(S0, B, B), (S1, S0, B), (S0, B, S1)]:
+        gw = sbp.tensor(w, placement=P, sbp=sw).requires_grad_()
+        out = f(sbp.tensor(x, placement=P, sbp=sx), gw)
+        out.backward(sbp.tensor(dy, placement=P, sbp=sdy))
+        grads.append((tuple(out.sbp), gw.grad.full_tensor(), tuple(gw.grad.sbp)))
+    return grads
+
+
+def test_gradients_in_other_layouts_than_the_outputs(pool2):
+    """Outputs split or partial, gradients broadcast or split: each is re-boxed to the layout
+    the traced backward expects (tangent coercion), and the weight gradient is exact."""
+    torch.manual_seed(6)
+    x = torch.randn(6, 3, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    x, dy = x[1], torch.randn(5, 3, dtype=torch.float64)
+    want = x.t() @ (2 * dy)
+    for grads in pool2.run(_tangent_layouts):
+        assert [g[0] for g in grads] == [(S0,), (sbp.partial_sum,), (S0,)]
+        for _, got, _ in grads:
+            _close([got], [want])
+        assert [g[2] for g in grads] == [(B,), (S0,), (B,)]  # each leaf's grad in its sbp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_compiled_mobilenet_v2_data_parallel_equals_one_process(request, world):
+    """mobilenet_v2, fullgraph, logical BatchNorm over the split batch (52 BatchNorms)."""
+    pool = request.getfixturevalue(f"pool{world}")
+    ref = _train(_model("mobilenet_v2"), _batches("mobilenet_v2"), _cross_entropy, lambda t: t)
+    for eager, compiled, frames in pool.run(_data_parallel, "mobilenet_v2", timeout=1800):
+        assert frames == 1
+        _close(eager, ref, 1e-9)
+        _close(compiled, ref, 1e-9)
+
+
+def _add_partial_into(w, x):
+    w.add_(x.sum(0))  # x split(0): its sum is a partial sum, so eager makes w partial
+    return w * 2
+
+
+def _inplace_layout_change():
+    P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    w = sbp.tensor(torch.ones(3, dtype=torch.float64), placement=P, sbp=B)
+    eager = _add_partial_into(w, sbp.tensor(x, placement=P, sbp=S0)).full_tensor()
+    w = sbp.tensor(torch.ones(3, dtype=torch.float64), placement=P, sbp=B)
+    f = torch.compile(_add_partial_into, backend=_counter(), fullgraph=True)
+    try:
+        f(w, sbp.tensor(x, placement=P, sbp=S0))
+        error = None
+    except Exception as e:  # Dynamo wraps errors raised while it propagates fake tensors
+        error = str(e)
+    return eager, error, tuple(w.sbp), w.full_tensor()
+
+
+def test_inplace_layout_change_is_refused_while_tracing(pool2):
+    """Eager, `w.add_(partial)` makes `w` partial; a graph cannot change its input's layout,
+    so tracing refuses it on every rank alike (no rank compiles a different program) and
+    leaves `w` as it was."""
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    for eager, error, sbp_after, w in pool2.run(_inplace_layout_change):
+        _close([eager], [2 * (1 + x.sum(0))])
+        assert "in-place op would change its input from sbp (B) to (P)" in error
+        assert sbp_after == (B,)
+        _close([w], [torch.ones(3, dtype=torch.float64)])
