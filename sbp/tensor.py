@@ -77,14 +77,21 @@ class GlobalTensor(torch.Tensor):
         whole = partials_to_broadcast(self._spec.nd_sbp)
         if whole == self._spec.nd_sbp:
             return self
-        return self.to_global(sbp=whole)
+        return self._rebox_for_tracing(None, whole)
 
     def __coerce_same_metadata_as_tangent__(self, ctx, expected_type=None):
         """A runtime gradient in another layout than the traced one is re-boxed to it."""
         if expected_type is not None:
             return None
         spec, _ = ctx
-        return self.to_global(spec.placement, spec.nd_sbp)
+        return self._rebox_for_tracing(spec.placement, spec.nd_sbp)
+
+    def _rebox_for_tracing(self, placement, nd_sbp):
+        """A conversion torch's tracing asks for: the same on every rank, so not checked."""
+        dst = boxing.target_spec(self._spec, placement, nd_sbp)
+        if dst == self._spec:
+            return self
+        return _Box.apply(self, dst, _grad_nd_sbp(self._spec, None))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -129,7 +136,7 @@ class GlobalTensor(torch.Tensor):
         grad = _grad_nd_sbp(self._spec, grad_sbp)
         if dst == self._spec and (grad_sbp is None or grad == self._spec.nd_sbp):
             return self  # a no-op costs nothing, a partial tensor's included
-        agreement.check_rebox(self._spec, dst, self.requires_grad)  # first time (src, dst)
+        agreement.check_rebox(self._spec, dst, self.requires_grad, self._local)  # once per pair
         return _Box.apply(self, dst, grad)
 
     def requires_grad_(self, requires_grad: bool = True):

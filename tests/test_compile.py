@@ -184,11 +184,9 @@ def _mlp_2d():
     P = sbp.placement("cpu", [[0, 1], [2, 3]])
     results = []
     for compiled in (False, True):
-        model = _model("mlp")
+        model = _model("mlp").to_global(P, (B, B))  # then split (to_global re-boxes globals)
         for layer in (model.fc1, model.fc2):
-            w = layer.weight.to_global(P, (B, B)).to_global(sbp=(B, S1))
-            layer.weight = torch.nn.Parameter(w)
-        model.to_global(P, (B, B))
+            layer.weight = torch.nn.Parameter(layer.weight.detach().to_global(sbp=(B, S1)))
 
         def place(t):
             return sbp.to_global(t[sbp.local_slices(t.shape, P, (S0, B), P.coord(me))], P, (S0, B))

@@ -17,7 +17,7 @@ import hashlib
 import torch
 
 from sbp import env
-from sbp.comm import stats
+from sbp.comm import functional, stats
 from sbp.comm.meta import exchange
 
 MODE = "first"
@@ -38,14 +38,14 @@ def raise_everywhere(error: BaseException, what: str = "to_global") -> None:
     raise error  # a world of one
 
 
-def check_rebox(src: object, dst: object, requires_grad: bool) -> None:
+def check_rebox(src: object, dst: object, requires_grad: bool, local=None) -> None:
     """Every rank re-boxes the same (src -> dst) with the same `requires_grad` (see MODE).
 
     What was seen is kept per rank set: every member of a set meets the same conversions in
     the same order (SPMD), so all of them check, or forget, the same ones.
     """
-    if MODE == "never" or env.get_world_size() == 1:
-        return
+    if MODE == "never" or env.get_world_size() == 1 or functional.tracing(local):
+        return  # (a traced graph holds no checks: it runs what was checked in eager)
     ranks = _ranks(src, dst)
     if env.get_rank() not in ranks:
         return

@@ -25,11 +25,13 @@ def tracing(t: torch.Tensor | None = None) -> bool:
     """Is a graph being traced (Dynamo, AOT autograd) or is `t` a fake tensor?"""
     if torch.compiler.is_compiling():
         return True
+    from torch._guards import detect_fake_mode
+
     if t is None:
-        return False
+        return detect_fake_mode() is not None
     from torch._subclasses.fake_tensor import is_fake
 
-    return is_fake(t)
+    return is_fake(t) or detect_fake_mode(t) is not None
 
 
 def _name(ranks: tuple[int, ...]) -> str:

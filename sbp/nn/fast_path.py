@@ -495,6 +495,8 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # torch.compile traces the module op by op
+            return original(self, *args, **kwargs)
         return self.__dict__[ATTR](*args, **kwargs)
 
     module.__dict__[ATTR] = fast

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from sbp.ops.nn import native_batch_norm
+from sbp.ops.batch_norm import native_batch_norm
 from sbp.ops.registry import register
 
 aten = torch.ops.aten
