@@ -27,32 +27,57 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _nvrtc():
-    return pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+    """Skip without cuda-bindings; the compiler itself is loaded in a child process only."""
+    import importlib.util
+
+    if (
+        importlib.util.find_spec("cuda") is None
+        or importlib.util.find_spec("cuda.bindings") is None
+    ):
+        pytest.skip("cuda-bindings is not installed")
+
+
+_COMPILE = """
+import sys
+from cuda.bindings import nvrtc
+
+def ok(result):
+    assert result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, result[0]
+    return result[1:]
+
+source, arch, out, *includes = sys.argv[1:]
+(prog,) = ok(nvrtc.nvrtcCreateProgram(open(source).read().encode(), b"boxing.cu", 0, [], []))
+opts = [f"--gpu-architecture=compute_{arch}".encode(), b"--std=c++17"]
+opts += [f"-I{d}".encode() for d in includes]
+(status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+(size,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
+log = b" " * size
+ok(nvrtc.nvrtcGetProgramLog(prog, log))
+if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+    sys.exit(log.decode(errors="replace"))
+(size,) = ok(nvrtc.nvrtcGetPTXSize(prog))
+ptx = b" " * size
+ok(nvrtc.nvrtcGetPTX(prog, ptx))
+open(out, "w").write(ptx.decode())
+"""
 
 
 def _compile_ptx(nvrtc, code: str, arch: int) -> str:
-    def ok(result):
-        assert result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, result[0]
-        return result[1:]
+    """NVRTC in a child process: loaded into the test process, it later breaks torch's
+    unpickling of tensor storages there ("storage has wrong byte size")."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
 
-    (prog,) = ok(nvrtc.nvrtcCreateProgram(code.encode(), b"boxing.cu", 0, [], []))
-    try:
-        opts = [
-            f"--gpu-architecture=compute_{arch}".encode(),
-            b"--std=c++17",
-            *(f"-I{d}".encode() for d in raw.include_dirs()),
-        ]
-        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        (size,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
-        log = b" " * size
-        ok(nvrtc.nvrtcGetProgramLog(prog, log))
-        assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-        (size,) = ok(nvrtc.nvrtcGetPTXSize(prog))
-        ptx = b" " * size
-        ok(nvrtc.nvrtcGetPTX(prog, ptx))
-        return ptx.decode()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, out = Path(tmp) / "boxing.cu", Path(tmp) / "boxing.ptx"
+        source.write_text(code)
+        args = [str(source), str(arch), str(out), *map(str, raw.include_dirs())]
+        done = subprocess.run(
+            [sys.executable, "-c", _COMPILE, *args], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return out.read_text()
 
 
 @pytest.mark.parametrize("arch", [80, 90])
