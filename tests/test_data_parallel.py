@@ -23,6 +23,15 @@ def _shard(t, P, nd):
     return t[sbp.local_slices(t.shape, P, nd, P.coord(me))]
 
 
+def _global(t, P, nd=S0):
+    """The global tensor whose logical value is `t`, laid out as `nd` on `P`."""
+    return sbp.to_global(_shard(t, P, nd), P, nd)
+
+
+def _loss(model, x, y, P):
+    return F.cross_entropy(model(_global(x, P)), _global(y, P))
+
+
 def _gather(model):
     return [p.full_tensor() for p in model.parameters()]
 
@@ -76,8 +85,7 @@ def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global"
     losses, paths = [], []
     for x, y in data:
         if placement is not None:
-            x = sbp.to_global(_shard(x, placement, nd), placement, nd)
-            y = sbp.to_global(_shard(y, placement, nd), placement, nd)
+            x, y = _global(x, placement, nd), _global(y, placement, nd)
         loss = F.cross_entropy(model(x), y)
         if placement is not None:
             paths.append(sbp.nn.fast_path.state(model).last_path)
@@ -186,10 +194,7 @@ def test_declines_a_tensor_parallel_weight(pool2):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
         paths = []
         for x, y in data:
-            loss = F.cross_entropy(
-                model(sbp.to_global(_shard(x, P, S0), P, S0)),
-                sbp.to_global(_shard(y, P, S0), P, S0),
-            )
+            loss = _loss(model, x, y, P)
             paths.append(sbp.nn.fast_path.state(model).last_path)
             opt.zero_grad()
             loss.backward()
@@ -217,9 +222,7 @@ def test_buckets_run_during_backward(pool2):
         sbp.nn.data_parallel(model, bucket_mb=64 * 64 * 8 / 2**20)
         state = sbp.nn.fast_path.state(model)
         state.trace = []
-        loss = F.cross_entropy(
-            model(sbp.to_global(_shard(x, P, S0), P, S0)), sbp.to_global(_shard(y, P, S0), P, S0)
-        )
+        loss = _loss(model, x, y, P)
         loss.backward()
         return state.trace, [p.grad.full_tensor() for p in model.parameters()]
 
@@ -247,10 +250,7 @@ def test_no_sync_accumulates_micro_batches(pool2):
         model = MLP().double().to_global(P, B)
         inside = []
         for i, (x, y) in enumerate(data):
-            loss = F.cross_entropy(
-                model(sbp.to_global(_shard(x, P, S0), P, S0)),
-                sbp.to_global(_shard(y, P, S0), P, S0),
-            )
+            loss = _loss(model, x, y, P)
             if i < 2:
                 with sbp.nn.no_sync(model):
                     loss.backward()
@@ -288,9 +288,9 @@ def test_unused_parameters_broadcast_outputs_and_input_grads(pool2):
         P = sbp.placement("cpu", [0, 1])
         torch.manual_seed(0)
         model = Branches().double().to_global(P, B)
-        xg = sbp.to_global(_shard(x, P, S0), P, S0).requires_grad_()
+        xg = _global(x, P).requires_grad_()
         out, aux = model(xg)
-        loss = F.cross_entropy(out, sbp.to_global(_shard(y, P, S0), P, S0)) + aux
+        loss = F.cross_entropy(out, _global(y, P)) + aux
         loss.backward()
         path = sbp.nn.fast_path.state(model).last_path
         grads = {
