@@ -116,13 +116,27 @@ def _apply_timeout(timeout: datetime.timedelta) -> None:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+_before_shutdown: list = []  # callables run before the process group is destroyed
+
+
+def at_shutdown(fn) -> None:
+    """Run `fn` at exit before the process group goes (layers above drop what they hold)."""
+    _before_shutdown.append(fn)
+
+
 def _shutdown() -> None:
     """Destroy the process group sbp created before the interpreter exits.
 
     Left alive, gloo's threads are torn down during static destruction and about one
     exit in five aborts with "terminate called without an active exception" (SIGABRT),
-    which a launcher reports as a failed worker.
+    which a launcher reports as a failed worker. References kept above (sbp's cache of
+    groups) are dropped first, so no group outlives this.
     """
+    for fn in _before_shutdown:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -32,7 +32,7 @@ from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp, par
 
 
 class GlobalTensor(torch.Tensor):
-    """A logical tensor with a placement and an SBP signature (see API.md)."""
+    """A logical tensor with a placement and an SBP signature (see docs/api.md)."""
 
     _local: torch.Tensor
     _spec: GlobalSpec
@@ -424,7 +424,7 @@ def local_to_global(
     check_meta: bool = True,
     grad_sbp: Any = None,
 ) -> GlobalTensor:
-    """`x` is this rank's local tensor; make the global tensor it is a part of (see API.md).
+    """`x` is this rank's local tensor; make the global tensor it is a part of (see docs/api.md).
 
     Every rank of the world calls this (SPMD); ranks outside `placement` pass any
     tensor of the right dtype and get a metadata-only global tensor. A bad argument on

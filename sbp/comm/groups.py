@@ -74,3 +74,6 @@ def count() -> int:
 def clear() -> None:
     """Forget cached groups (after the world was re-created)."""
     _groups.clear()
+
+
+env.at_shutdown(clear)
