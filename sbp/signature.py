@@ -150,6 +150,12 @@ def partials_to_broadcast(nd_sbp: NdSbp) -> NdSbp:
     return tuple(broadcast if s.is_partial else s for s in nd_sbp)
 
 
+def splits_to_partials(nd_sbp: NdSbp) -> NdSbp:
+    """`nd_sbp` with every split dim a partial sum, every other dim broadcast: how a sum over
+    the parts of a split tensor (its local sums, say) is laid out before it is reduced."""
+    return tuple(partial_sum if s.is_split else broadcast for s in nd_sbp)
+
+
 def is_all_broadcast(nd_sbp: NdSbp) -> bool:
     return all(s.is_broadcast for s in nd_sbp)
 

@@ -46,7 +46,7 @@ from sbp.layout import GlobalSpec
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, same_layout
 from sbp.placement import placement as Placement
-from sbp.signature import broadcast, partial_sum, split
+from sbp.signature import broadcast, partial_sum, split, splits_to_partials
 from sbp.tensor import GlobalTensor, box
 
 aten = torch.ops.aten
@@ -396,7 +396,7 @@ class DataParallel:
                 [params[pid] for pid in trained],
                 [fresh[pid][1] for pid in trained],
                 self.group(data_nd),
-                tuple(partial_sum if d.is_split else d for d in data_nd),
+                splits_to_partials(data_nd),
                 bucket_bytes=self.bucket_bytes,
             )
             self._reducer_key = key

@@ -24,7 +24,7 @@ import torch
 from sbp import comm, env
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import rebox, register
-from sbp.signature import broadcast, partial_sum
+from sbp.signature import broadcast, splits_to_partials
 
 aten = torch.ops.aten
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -236,9 +236,7 @@ def native_batch_norm_backward(func, args, kwargs):
     placement = x._spec.placement
     allb = (broadcast,) * len(nd)
     split_batch = _parts(placement, nd) > 1
-    param_nd = (
-        allb if train and split_batch else tuple(partial_sum if s.is_split else s for s in nd)
-    )
+    param_nd = allb if train and split_batch else splits_to_partials(nd)
     pspec = GlobalSpec(placement, param_nd, (x.shape[1],), x.dtype)
     me = env.get_rank()
     if me not in placement:

@@ -14,7 +14,7 @@ from sbp import env
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import Call, Strategy, rebox, register, register_strategy, without_partials
 from sbp.random import draw_seed
-from sbp.signature import broadcast, partial_sum, split
+from sbp.signature import broadcast, partial_sum, split, splits_to_partials
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -93,10 +93,6 @@ def _batch_layout(spec: GlobalSpec) -> tuple:
     return tuple(s if s.is_split and s.dim == 0 else B for s in spec.nd_sbp)
 
 
-def _partial_on_splits(nd) -> tuple:
-    return tuple(P if s.is_split else B for s in nd)
-
-
 @register(aten.nll_loss_forward.default)
 def nll_loss_forward(func, args, kwargs):
     """Mean over the logical batch: local sums divided by the all-reduced total weight."""
@@ -125,7 +121,7 @@ def nll_loss_forward(func, args, kwargs):
         spec = GlobalSpec(placement, nd if x.dim() == 2 else nd, tuple(target.shape), x.dtype)
         tw_spec = GlobalSpec(placement, (B,) * len(nd), (), x.dtype)
         return GlobalTensor(out, spec), GlobalTensor(tw, tw_spec)
-    parts = _partial_on_splits(nd)
+    parts = splits_to_partials(nd)
     total = rebox(GlobalTensor(tw, GlobalSpec(placement, parts, (), x.dtype)), (B,) * len(nd))
     if reduction == 2:
         return GlobalTensor(out, GlobalSpec(placement, parts, (), x.dtype)), total
