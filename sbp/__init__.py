@@ -46,6 +46,15 @@ def _install_methods() -> None:
 
     if GlobalTensor not in _foreach_utils._foreach_supported_types:
         _foreach_utils._foreach_supported_types.append(GlobalTensor)
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        from sbp.ops.optim import prefer_foreach, restore_foreach
+
+        register_optimizer_step_pre_hook(prefer_foreach)
+        register_optimizer_step_post_hook(restore_foreach)
 
 
 _install_methods()

@@ -138,6 +138,7 @@ class Reducer:
 
     def _reset(self) -> None:
         self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._slots: dict[int, torch.Tensor] = {}
         self._filled: set[int] = set()
         self._missing = [len(b) for b in self._buckets]
         self._pending: list = [None] * len(self._buckets)
@@ -155,6 +156,9 @@ class Reducer:
         if not self.sync:
             self._keep_partial(i, grad)
             return
+        if len(self.ranks) == 1:  # nothing to sum: the gradient is the parameter's
+            self._accumulate(i, grad)
+            return
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -166,14 +170,32 @@ class Reducer:
             self._launch(self._next)
 
     def _slot(self, i: int) -> torch.Tensor:
-        """Where parameter i's gradient goes in its bucket's flat buffer."""
-        b, offset = self._where[i]
-        if self._flat[b] is None:
+        """Where parameter i's gradient goes in its bucket's flat buffer (allocated per step:
+        the gradients handed out are views of it)."""
+        slot = self._slots.get(i)
+        if slot is None:
+            b, _ = self._where[i]
             members = self._buckets[b]
+            sizes = [self.leaves[j].numel() for j in members]
             first = self.leaves[members[0]]
-            n = sum(self.leaves[j].numel() for j in members)
-            self._flat[b] = torch.empty(n + len(members), dtype=first.dtype, device=first.device)
-        return self._flat[b][offset : offset + self.leaves[i].numel()]
+            flat = torch.empty(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
+            self._flat[b] = flat
+            views = flat.split([*sizes, len(members)])
+            self._slots.update(zip(members, views, strict=False))
+            slot = self._slots[i]
+        return slot
+
+    def _accumulate(self, i: int, grad: torch.Tensor) -> None:
+        from sbp.tensor import GlobalTensor
+
+        p = self.params[i]
+        if p.grad is None:
+            spec = p._spec
+            if spec.dtype != grad.dtype:
+                spec = spec._replace(dtype=grad.dtype)
+            p.grad = GlobalTensor(grad, spec)
+        else:
+            p.grad._local.add_(grad)
 
     def _launch(self, b: int) -> None:
         members = self._buckets[b]
@@ -199,23 +221,17 @@ class Reducer:
         self._next = b + 1
 
     def _finish(self) -> None:
-        from sbp.tensor import GlobalTensor
-
         try:
             while self._next < len(self._buckets):
                 self._launch(self._next)
             for b, members in enumerate(self._buckets):
                 flat = self._pending[b].wait()
+                if flat is not self._flat[b]:  # (a staged collective gives a new tensor)
+                    self._flat[b].copy_(flat)
                 used = flat[flat.numel() - len(members) :].tolist()
                 for j, i in enumerate(members):
-                    if used[j] == 0:
-                        continue
-                    p, (_, offset) = self.params[i], self._where[i]
-                    grad = flat[offset : offset + p._local.numel()].view(p._local.shape)
-                    if p.grad is None:
-                        p.grad = GlobalTensor(grad, p._spec._replace(dtype=grad.dtype))
-                    else:
-                        p.grad._local.add_(grad)
+                    if used[j]:
+                        self._accumulate(i, self._slots[i].view(self.leaves[i].shape))
         finally:
             self._reset()
 

@@ -147,6 +147,8 @@ def normalize_nd_sbp(sbp: Any, hierarchy_ndim: int, tensor_ndim: int | None = No
 
 def partials_to_broadcast(nd_sbp: NdSbp) -> NdSbp:
     """`nd_sbp` with every partial dim made broadcast (what a reduced value looks like)."""
+    if not any(s.is_partial for s in nd_sbp):
+        return nd_sbp
     return tuple(broadcast if s.is_partial else s for s in nd_sbp)
 
 

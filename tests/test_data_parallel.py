@@ -352,3 +352,41 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2):
     assert _rel(got[1], ddp_params) < 1e-12
     for a, b in zip(got[2], ddp_buffers, strict=True):
         assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
+
+
+def _loss_divisor(labels):
+    """Mean cross-entropy of split logits; labels are made global first, then maybe edited."""
+    P = sbp.placement.all("cpu")
+    logits, y = (
+        torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3)),
+        labels,
+    )
+    gx, gy = sbp.to_global((_shard(logits, P, S0), _shard(y, P, S0)), P, S0)
+    out = {}
+    with sbp.comm_stats() as st:
+        loss = F.cross_entropy(gx, gy)
+    out["before"] = (st.calls, loss.full_tensor().item())
+    gy[0] = -100  # an ignored label now: the range learnt by to_global no longer holds
+    with sbp.comm_stats() as st:
+        loss = F.cross_entropy(gx, gy)
+    out["after"] = (st.calls, loss.full_tensor().item())
+    return out
+
+
+@pytest.mark.parametrize("hit", [False, True])
+def test_cross_entropy_divisor_without_a_collective(pool2, hit):
+    """Labels whose range (learnt by to_global) excludes ignore_index: the divisor of the mean
+    is their number, no all-reduce; otherwise, or once the labels change, the all-reduce."""
+    logits = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y = torch.tensor([1, 4, 0, 2, 3, 3, 1])
+    if hit:
+        y[5] = -100  # on the second rank only
+    edited = y.clone()
+    edited[0] = -100
+    for r in pool2.run(_loss_divisor, y):
+        calls, value = r["before"]
+        assert calls == (1 if hit else 0)
+        assert value == pytest.approx(F.cross_entropy(logits, y).item(), abs=1e-12)
+        calls, value = r["after"]
+        assert calls == 1
+        assert value == pytest.approx(F.cross_entropy(logits, edited).item(), abs=1e-12)

@@ -108,3 +108,46 @@ def test_module_to_global_syncs_shares_and_converts_buffers(pool4):
     for same, n, shared, params_global, buffers_global, _ in results:
         assert same and n == 4 and shared and params_global and buffers_global
     assert torch.equal(results[0][5], results[1][5])  # rank 1 took rank 0's initialisation
+
+
+SIZES = (5, 5, 4, 4)
+
+
+def _nested_batch():
+    """A batch of inputs and labels, uneven along dim 0, made global in one call."""
+    me = sbp.env.get_rank()
+    Pl = sbp.placement.all("cpu")
+    n = SIZES[me]  # uneven, as split(0) balances 18 samples
+    x = torch.arange(n * 2, dtype=torch.float64).reshape(n, 2) + 100 * me
+    y = torch.arange(n) + 10 * me
+    with sbp.comm_stats() as st:
+        gx, (gy, label) = sbp.to_global((x, (y, "labels")), Pl, S0)
+    try:  # the second tensor's ndim does not fit split(1): named on every rank
+        sbp.to_global([x, y], Pl, S1)
+        error = None
+    except sbp.SbpError as e:
+        error = (type(e).__name__, str(e))
+    return {
+        "calls": st.calls,
+        "x": (tuple(gx.shape), gx.dtype, gx.full_tensor().tolist()),
+        "y": (tuple(gy.shape), gy.dtype, gy.full_tensor().tolist()),
+        "label": label,
+        "error": error,
+    }
+
+
+def test_nested_to_global_exchanges_metadata_once(pool4):
+    xs = [
+        torch.arange(n * 2, dtype=torch.float64).reshape(n, 2) + 100 * r
+        for r, n in enumerate(SIZES)
+    ]
+    ys = [torch.arange(n) + 10 * r for r, n in enumerate(SIZES)]
+    for r in pool4.run(_nested_batch):
+        assert r["calls"] == 1  # one metadata exchange for both tensors
+        assert r["x"] == ((18, 2), torch.float64, torch.cat(xs).tolist())
+        assert r["y"] == ((18,), torch.int64, torch.cat(ys).tolist())
+        assert r["label"] == "labels"
+        assert r["error"] == (
+            "SbpSignatureError",
+            "sbp split dim 1 is out of range for a tensor with 1 dims",
+        )

@@ -122,12 +122,26 @@ def nll_loss_forward(func, args, kwargs):
         tw_spec = GlobalSpec(placement, (B,) * len(nd), (), x.dtype)
         return GlobalTensor(out, spec), GlobalTensor(tw, tw_spec)
     parts = splits_to_partials(nd)
-    total = rebox(GlobalTensor(tw, GlobalSpec(placement, parts, (), x.dtype)), (B,) * len(nd))
+    if reduction == 1 and weight is None and _never_ignored(target, ignore_index):
+        # every logical target counts: the divisor is their number, no collective needed
+        total = GlobalTensor(
+            tw.new_full((), target.numel()), GlobalSpec(placement, (B,) * len(nd), (), x.dtype)
+        )
+    else:
+        total = rebox(GlobalTensor(tw, GlobalSpec(placement, parts, (), x.dtype)), (B,) * len(nd))
     if reduction == 2:
         return GlobalTensor(out, GlobalSpec(placement, parts, (), x.dtype)), total
     return GlobalTensor(
         out / total._local if inside else out, GlobalSpec(placement, parts, (), x.dtype)
     ), total
+
+
+def _never_ignored(target, ignore_index: int) -> bool:
+    """Is `ignore_index` outside the range of the logical targets known from `to_global`?"""
+    from sbp.tensor import known_range
+
+    bounds = known_range(target)
+    return bounds is not None and not bounds[0] <= ignore_index <= bounds[1]
 
 
 @register_strategy(aten.nll_loss_backward)
