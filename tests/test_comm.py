@@ -183,3 +183,53 @@ def test_pool_reports_a_hung_worker_with_its_stack_and_recovers(pool4):
         pool4.run(_rank_one_hangs, timeout=3)
     assert "_rank_one_hangs" in str(info.value)  # faulthandler's dump of the stuck rank
     assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
+
+
+def _small_all_reduces(ranks):
+    """Sums, maxima and minima (NaN kept) of small tensors; which path ran."""
+    from sbp.comm import shm
+
+    me = sbp.env.get_rank()
+    if me not in ranks:
+        return None
+    out = {}
+    for dtype in (torch.float64, torch.float32, torch.int64):
+        t = (torch.arange(6, dtype=torch.float64) * (me + 1) - me).to(dtype)
+        out[f"sum {dtype}"] = comm.all_reduce(t, "sum", ranks)
+    nan = torch.tensor([1.0, 2.0, 3.0]) * me
+    nan[1] = float("nan") if me == ranks[-1] else nan[1]
+    out["max"] = comm.all_reduce(nan.clone(), "max", ranks)
+    out["min"] = comm.all_reduce(nan.clone(), "min", ranks)
+    segment = shm._segments[tuple(sorted(ranks))][1]
+    out["path"] = "shared memory" if segment is not None and segment.calls == 5 else "gloo"
+    return out
+
+
+@pytest.mark.parametrize("ranks", [(0, 1, 2, 3), (3, 1)])
+def test_small_all_reduce_through_shared_memory(pool4, ranks):
+    from sbp.comm import shm
+
+    results = [r for r in pool4.run(_small_all_reduces, ranks) if r is not None]
+    for dtype in (torch.float64, torch.float32, torch.int64):
+        parts = [(torch.arange(6, dtype=torch.float64) * (r + 1) - r).to(dtype) for r in ranks]
+        expected = torch.stack(parts).sum(0).to(dtype)
+        for r in results:
+            assert torch.equal(r[f"sum {dtype}"], expected)
+    nans = []
+    for rank in ranks:
+        t = torch.tensor([1.0, 2.0, 3.0]) * rank
+        t[1] = float("nan") if rank == ranks[-1] else t[1]
+        nans.append(t)
+    for r in results:
+        for op, expected in (
+            ("max", torch.stack(nans).amax(0)),
+            ("min", torch.stack(nans).amin(0)),
+        ):
+            assert r[op][1].isnan()  # NaN kept, as torch's max and min keep it
+            assert torch.equal(r[op].nan_to_num(), expected.nan_to_num())
+        assert r["path"] == ("shared memory" if shm.usable(torch.ones(1)) else "gloo")
+    first = results[0]
+    for r in results[1:]:  # the same bits on every rank
+        for k, v in first.items():
+            if k != "path":
+                assert torch.equal(v.nan_to_num(), r[k].nan_to_num())

@@ -239,16 +239,17 @@ def _ops_in(graph) -> list:
 
 def _dropped_collective(name, make_inplace):
     """Loss of the compiled model; collectives are in-place ones on fake tensors if asked."""
-    from sbp.comm import functional
+    from sbp.comm import functional, shm
 
     P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
     model = _model(name).to_global(P, B)
     x, y = _batches(name, steps=1)[0]
     place = _split_batch(P)
     backend, graphs = _graph_recorder()
-    tracing = functional.tracing
-    if make_inplace:
+    tracing, usable = functional.tracing, shm.usable
+    if make_inplace:  # what sbp did before: gloo's in-place collectives, even while tracing
         functional.tracing = lambda t=None: False
+        shm.usable = lambda t: False
     try:
         loss = torch.compile(_cross_entropy, backend=backend, fullgraph=True)(
             model, place(x), place(y)
@@ -256,7 +257,7 @@ def _dropped_collective(name, make_inplace):
         if not make_inplace:  # (in-place ones leave a process group in the graph: no backward)
             loss.backward()
     finally:
-        functional.tracing = tracing
+        functional.tracing, shm.usable = tracing, usable
         torch._dynamo.reset()
     grads = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
     return loss.item(), grads, [_ops_in(g) for g in graphs]

@@ -148,3 +148,41 @@ def test_workers_die_with_a_sigkilled_launcher_whose_store_binds_127_0_0_1(tmp_p
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def _shared_memory_peer(fate):
+    """A first all-reduce sets up the shared segment of ranks {0, 1}; then rank 1 stays away
+    or exits while rank 0 waits in the second."""
+    sbp.env.init(timeout=TIMEOUT)
+    comm.all_reduce(torch.ones(2), "sum", (0, 1))
+    if sbp.env.get_rank() == 1:
+        if fate == "exits":
+            time.sleep(0.3)
+            os._exit(3)
+        time.sleep(2.5 * TIMEOUT)
+        return "away", 0.0
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(2), "sum", (0, 1))
+    except sbp.CommTimeoutError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_shared_memory_all_reduce_is_bounded_and_notices_a_dead_peer():
+    from sbp.comm import shm
+
+    if not shm.usable(torch.ones(2)):
+        pytest.skip("no shared-memory path on this platform")
+    pool = SpmdPool(2, timeout=60, comm_timeout=60.0)
+    try:
+        message, seconds = pool.run(_shared_memory_peer, "stays away")[0]
+        assert "all_reduce (shared memory) over ranks [0, 1]" in message
+        assert "ranks [1] did not arrive" in message
+        assert TIMEOUT <= seconds < 2 * TIMEOUT
+        with pytest.raises(SpmdError) as info:
+            pool.run(_shared_memory_peer, "exits", timeout=60)
+        rank0 = info.value.errors[0]
+        assert "CommTimeoutError: all_reduce (shared memory)" in rank0 and "[1] exited" in rank0
+    finally:
+        pool.close()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import cost, functional, stats
+from sbp.comm import cost, functional, shm, stats
 from sbp.comm.groups import get_group, group_order
 from sbp.errors import CommTimeoutError, PlacementError
 
@@ -100,7 +100,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
     order = group_order(ranks)
     target = output if order is None else torch.empty_like(output)
-    if functional.tracing(input):
+    segment = _shared_segment(input, ranks, "all_gather")
+    if segment is not None:
+        segment.all_gather(target, input)
+    elif functional.tracing(input):
         target.copy_(functional.all_gather(input, ranks).view(target.shape))
     else:
         with guarded("all_gather", ranks):
@@ -133,11 +136,22 @@ def _from_nan_keeping(i: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(i < 0, i ^ imax, i).view(dtype)
 
 
+def _shared_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment | None:
+    """The shared-memory path of a small collective on one host (see `shm`), or None."""
+    if not shm.usable(tensor) or functional.tracing(tensor):
+        return None
+    with guarded(kind, ranks):  # (a collective sets the segment up at the first call)
+        return shm.segment(ranks, get_group(ranks))
+
+
 def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     """Reduce `tensor` in place over `ranks` with `op` in {sum, max, min}."""
     if len(ranks) == 1:
         return tensor
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
+    segment = _shared_segment(tensor, ranks, "all_reduce")
+    if segment is not None:  # one host: ~20 us instead of gloo's ~0.4-4 ms
+        return segment.all_reduce(tensor, op)
     ordered = _nan_keeping(tensor, op)
     work = tensor if ordered is None else ordered[0]
     if functional.tracing(tensor):
