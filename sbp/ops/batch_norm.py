@@ -5,9 +5,9 @@ fast path (`sbp.nn.data_parallel`), which runs whole modules on local tensors:
 - forward: one all-reduce of per-channel shifted sums (the shift is the running
   mean, equal on every rank, which keeps E[(x-K)^2] - E[x-K]^2 free of
   cancellation), then torch's native eval-mode kernel normalises in one pass;
-- backward: torch's native kernel gives the local sums of dy and dy*xhat in one
-  pass, one all-reduce makes them whole, and the input gradient is two native
-  per-channel affine passes.
+- backward: torch's native kernel gives the local batch's input gradient and the
+  local sums of dy and dy*xhat in one call, one all-reduce makes the sums whole,
+  and a per-channel affine function of x added in place corrects the input gradient.
 `all_reduce` sums a tensor over the ranks that hold parts of the batch; the
 count is the logical number of elements per channel. Nothing here reads a
 buffer after writing it: the shift is copied before the running statistics are
@@ -86,38 +86,44 @@ def forward(
     return out, mean, invstd
 
 
-def local_grad_sums(
-    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
-) -> torch.Tensor:
-    """This rank's [sum(dy * xhat), sum(dy)] per channel (the weight and bias gradients)."""
-    if x.numel() == 0:
-        return torch.zeros(2, x.shape[1], dtype=mean.dtype, device=x.device)
-    _, gw, gb = aten.native_batch_norm_backward(
-        dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True]
-    )
-    return torch.stack([gw, gb]).to(mean.dtype)
-
-
-def input_grad(
+def backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
     mean: torch.Tensor,
     invstd: torch.Tensor,
-    sums: torch.Tensor,
     count: int,
-) -> torch.Tensor:
-    """dx = w * invstd * (dy - sum(dy)/n - xhat * sum(dy*xhat)/n), with logical sums `sums`.
+    all_reduce: AllReduce,
+    input_grad: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Train-mode BatchNorm backward of the local part: (dx, local sums, logical sums).
 
-    Written as a*dy + b*x + c per channel: two native affine passes and one add.
+    The sums are [sum(dy * xhat), sum(dy)] per channel (the weight and bias gradients).
+    torch's native kernel gives them and the input gradient of the *local* batch in one
+    call; with n local and N logical elements per channel, the logical input gradient
+        dx = a * (dy - sum(dy)/N - xhat * sum(dy*xhat)/N),  a = weight * invstd,
+    differs from the local one by a per-channel affine function of x, added in place after
+    the all-reduce (no temporary: with results kept alive, as in training, each new
+    buffer costs page faults).
     """
+    C = x.shape[1]
     if x.numel() == 0:
-        return torch.empty_like(x)
+        local = torch.zeros(2, C, dtype=mean.dtype, device=x.device)
+        return (torch.empty_like(x) if input_grad else None), local, all_reduce(local.clone())
+    dx, gw, gb = aten.native_batch_norm_backward(
+        dy, x, weight, None, None, mean, invstd, True, 0.0, [input_grad, True, True]
+    )
+    local = torch.stack([gw, gb]).to(mean.dtype)
+    whole = all_reduce(local.clone())
+    if not input_grad:
+        return None, local, whole
+    n = x.numel() // C
     a = invstd if weight is None else invstd * weight.to(invstd.dtype)
-    b = -a * invstd * (sums[0] / count)
-    c = -a * (sums[1] / count) - b * mean
-    out = _affine(x, b.to(x.dtype), c.to(x.dtype))
-    return out.add_(_affine(dy, a.to(x.dtype), torch.zeros_like(a, dtype=x.dtype)))
+    scale = a * invstd * (local[0] / n - whole[0] / count)
+    shift = a * (local[1] / n - whole[1] / count) - scale * mean
+    view = (1, C) + (1,) * (x.dim() - 2)
+    dx.addcmul_(x, scale.to(x.dtype).view(view)).add_(shift.to(x.dtype).view(view))
+    return dx, local, whole
 
 
 class LogicalBatchNorm(torch.autograd.Function):
@@ -140,9 +146,9 @@ class LogicalBatchNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         dy = dy.contiguous()
-        local = local_grad_sums(dy, x, mean, invstd)
-        whole = ctx.all_reduce(local.clone())
-        dx = input_grad(dy, x, weight, mean, invstd, whole, ctx.count)
+        dx, local, _ = backward(
+            dy, x, weight, mean, invstd, ctx.count, ctx.all_reduce, ctx.needs_input_grad[0]
+        )
         gw = local[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         gb = local[1].to(weight.dtype) if ctx.needs_input_grad[2] else None
         return dx, gw, gb, None, None, None, None, None, None
@@ -250,8 +256,7 @@ def native_batch_norm_backward(func, args, kwargs):
         else:
             dy = grad_out._local.contiguous()
             reduce = group_all_reduce(split_group(placement, nd, me))
-            sums = reduce(local_grad_sums(dy, x._local, mean, invstd))
-            dx = input_grad(dy, x._local, w, mean, invstd, sums, _count(x)) if mask[0] else None
+            dx, _, sums = backward(dy, x._local, w, mean, invstd, _count(x), reduce, mask[0])
             outs = [
                 dx,
                 sums[0].to(x.dtype) if mask[1] else None,
