@@ -17,7 +17,8 @@ World of one: plain torch and the global fast path in one process; its plain tor
 also the one-process anchor for the scaling of the others.
 
 The logical row's floor is the torch DDP step plus, for each small collective it adds per
-step, the latency of a small all-reduce measured in the same run.
+step, the latency of a small all-reduce measured in the same run: through sbp.comm (the
+path the row takes: shared memory on one host) and, for comparison, through gloo.
 
     .venv/bin/python benchmarks/data_parallel.py            # ~3 min on 2 cores
     .venv/bin/python benchmarks/data_parallel.py --quick    # a smoke run
@@ -106,18 +107,29 @@ def _ddp_trainer(base, batches, device, sync_bn=False, wrapper=None):
     return Trainer(ddp, batches, lambda x, y: (x, y))
 
 
-def _small_all_reduce_ms(n: int = 64) -> float:
-    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums)."""
-    t = torch.zeros(2, 96)
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        times.append(time.perf_counter() - t0)
-    out = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out.item()
+def _small_all_reduce_ms(n: int = 64) -> dict[str, float]:
+    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums), through
+    gloo (torch.distributed) and through sbp.comm (shared memory on one host)."""
+    from sbp import comm
+
+    out = {}
+    ranks = tuple(range(dist.get_world_size()))
+    for name, reduce in (
+        ("gloo", lambda t: dist.all_reduce(t)),
+        ("sbp", lambda t: comm.all_reduce(t, "sum", ranks)),
+    ):
+        t = torch.zeros(2, 96)
+        reduce(t)
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            reduce(t)
+            times.append(time.perf_counter() - t0)
+        worst = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[name] = worst.item()
+    return out
 
 
 def _collectives_per_step(trainer) -> dict:
@@ -204,9 +216,10 @@ def main() -> None:
 
     ddp_ms = median(many, "torch DDP")
     plain_ms = median(one, "plain torch")
-    small_ms = many["small_all_reduce_ms"]
+    small = many["small_all_reduce_ms"]
     n_small = _small_calls(many["logical_step_collectives"])
-    floor_ms = ddp_ms + n_small * small_ms if ddp_ms else None
+    floors = {k: ddp_ms + n_small * v if ddp_ms else None for k, v in small.items()}
+    floor_ms = floors["sbp"]  # the latency of the path the logical row takes
     images = args.batch * args.world
     rows, records = [], []
     for name in many["timings"]:
@@ -223,6 +236,8 @@ def main() -> None:
         if name == "global, logical BN":
             rec["floor_ms"] = floor_ms
             rec["vs_floor"] = ratio(ms, floor_ms)
+            rec["floor_with_gloo_latency_ms"] = floors["gloo"]
+            rec["vs_floor_with_gloo_latency"] = ratio(ms, floors["gloo"])
         records.append(rec)
     for name in one["timings"]:
         ms = median(one, name)
@@ -256,10 +271,11 @@ def main() -> None:
         f"\nanchor: torch DDP in the world of {args.world}, plain torch in the world of 1; "
         "speed = anchor step time / method step time (higher is faster)."
     )
-    print(
-        f"logical BN floor = torch DDP step {fmt(ddp_ms, '.1f')} ms + {n_small} small "
-        f"collectives x {small_ms:.2f} ms = {fmt(floor_ms, '.1f')} ms"
-    )
+    for path, label in (("sbp", "sbp.comm (the path taken)"), ("gloo", "gloo")):
+        print(
+            f"logical BN floor with {label} latency = torch DDP step {fmt(ddp_ms, '.1f')} ms + "
+            f"{n_small} small collectives x {small[path]:.3f} ms = {fmt(floors[path], '.1f')} ms"
+        )
     print("collectives per step, logical BN:", many["logical_step_collectives"]["calls"])
     print("collectives per step, per-shard BN:", many["shard_step_collectives"]["calls"])
     payload = {
@@ -267,7 +283,7 @@ def main() -> None:
         "config": cfg | {"world": args.world, "model": "mobilenet_v2(num_classes=10)"},
         "machine": machine_info(),
         "rows": records,
-        "small_all_reduce_ms": small_ms,
+        "small_all_reduce_ms": small,
         "small_collectives_per_logical_step": n_small,
         "logical_step_collectives": many["logical_step_collectives"],
         "shard_step_collectives": many["shard_step_collectives"],

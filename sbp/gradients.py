@@ -163,15 +163,15 @@ class Reducer:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b, _ = self._where[i]
-        self._slot(i).copy_(grad.reshape(-1))
+        self._slot(i).copy_(grad)
         self._filled.add(i)
         self._missing[b] -= 1
         while self._next < len(self._buckets) and self._missing[self._next] == 0:
             self._launch(self._next)
 
     def _slot(self, i: int) -> torch.Tensor:
-        """Where parameter i's gradient goes in its bucket's flat buffer (allocated per step:
-        the gradients handed out are views of it)."""
+        """Where parameter i's gradient goes in its bucket's flat buffer, shaped as the
+        parameter (the buffer is allocated per step: the gradients handed out are views)."""
         slot = self._slots.get(i)
         if slot is None:
             b, _ = self._where[i]
@@ -181,19 +181,18 @@ class Reducer:
             flat = torch.empty(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
             self._flat[b] = flat
             views = flat.split([*sizes, len(members)])
-            self._slots.update(zip(members, views, strict=False))
+            for j, view in zip(members, views, strict=False):
+                self._slots[j] = view.view(self.leaves[j].shape)
             slot = self._slots[i]
         return slot
 
     def _accumulate(self, i: int, grad: torch.Tensor) -> None:
-        from sbp.tensor import GlobalTensor
-
         p = self.params[i]
         if p.grad is None:
             spec = p._spec
             if spec.dtype != grad.dtype:
                 spec = spec._replace(dtype=grad.dtype)
-            p.grad = GlobalTensor(grad, spec)
+            p.grad = type(p)(grad, spec)  # (a GlobalTensor: params are)
         else:
             p.grad._local.add_(grad)
 
@@ -203,7 +202,7 @@ class Reducer:
         for i in members:
             slot, g = self._slot(i), self.params[i].grad
             if g is not None and g._spec.nd_sbp == self.partial_nd:  # from no_sync steps
-                earlier = g._local.reshape(-1)
+                earlier = g._local
                 if i in self._filled:
                     slot.add_(earlier)
                 else:
@@ -231,7 +230,7 @@ class Reducer:
                 used = flat[flat.numel() - len(members) :].tolist()
                 for j, i in enumerate(members):
                     if used[j]:
-                        self._accumulate(i, self._slots[i].view(self.leaves[i].shape))
+                        self._accumulate(i, self._slots[i])
         finally:
             self._reset()
 
