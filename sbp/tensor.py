@@ -405,8 +405,9 @@ def _writes(func) -> bool:
 
 def _read_rows(
     rows: list[tuple[int, ...]], P: Placement, sbp: Any, check_meta: bool
-) -> tuple[dict[int, tuple[int, ...]], torch.dtype]:
-    """Every placement rank's local shape, and the dtype, from every world rank's row."""
+) -> tuple[dict[int, tuple[int, ...]], torch.dtype, tuple[int, int] | None]:
+    """Every placement rank's local shape, the dtype and the logical range (integer tensors),
+    from every world rank's row."""
     inside = {r: row for r, row in enumerate(rows) if row[0] == 1}
     dtypes = {r: _DTYPES[row[1]] for r, row in inside.items()}
     if check_meta and len(set(dtypes.values())) > 1:
@@ -578,14 +579,15 @@ def locals_to_global(
 
 
 def _device_error(x: torch.Tensor, placement: Placement) -> SbpError | None:
+    """What is wrong with the device of this rank's local tensor (ranks outside: nothing)."""
     me = env.get_rank()
-    if me not in placement or x.device.type != placement.type:
-        if me in placement:
-            return DeviceMismatchError(
-                f"to_global: the local tensor is on {x.device} but the placement type is "
-                f"{placement.type!r}; move it first (x.to({placement.type!r}))"
-            )
+    if me not in placement:
         return None
+    if x.device.type != placement.type:
+        return DeviceMismatchError(
+            f"to_global: the local tensor is on {x.device} but the placement type is "
+            f"{placement.type!r}; move it first (x.to({placement.type!r}))"
+        )
     if placement.type == "cuda" and x.device != local_device("cuda"):
         return DeviceMismatchError(
             f"to_global: the local tensor is on {x.device}; a cuda placement keeps rank "
@@ -692,13 +694,14 @@ def to_global(obj: Any, placement: Placement | None = None, sbp: Any = None, **k
 
 
 def _tree_to_global(obj: Any, placement: Any, sbp: Any, **kwargs: Any) -> Any:
+    def rebox(t: GlobalTensor) -> GlobalTensor:
+        return t.to_global(placement, sbp, **kwargs)
+
     local = [t for t in _leaves(obj) if not isinstance(t, GlobalTensor)]
     if len(local) > 1 and placement is not None and sbp is not None:
         done = iter(locals_to_global(local, placement, sbp, **kwargs))  # one exchange
-        return _rebuild(obj, lambda t: t.to_global(placement, sbp, **kwargs), lambda t: next(done))
-    return _rebuild(
-        obj, lambda t: t.to_global(placement, sbp, **kwargs), _one_to_global(placement, sbp, kwargs)
-    )
+        return _rebuild(obj, rebox, lambda t: next(done))
+    return _rebuild(obj, rebox, _one_to_global(placement, sbp, kwargs))
 
 
 def _one_to_global(placement: Any, sbp: Any, kwargs: dict):

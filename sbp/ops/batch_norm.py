@@ -34,12 +34,6 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _affine(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """`t * scale + shift` per channel (dim 1) in one native pass (eval-mode batch_norm)."""
-    zero = torch.zeros_like(scale)
-    return torch.batch_norm(t, scale, shift, zero, torch.ones_like(scale), False, 0.0, 0.0, False)
-
-
 def _channel_sums(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1).sum(2, dtype=acc).sum(0)
 
