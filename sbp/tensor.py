@@ -98,8 +98,9 @@ class GlobalTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if _writes(func):  # a range learnt by to_global no longer holds (known_range)
             for a in args:
-                if type(a) is GlobalTensor:
-                    forget_range(a)
+                for t in a if type(a) is list or type(a) is tuple else (a,):
+                    if type(t) is GlobalTensor:
+                        forget_range(t)
         return _dispatch(func, args, kwargs or {})
 
     # ------------------------------------------------------------ metadata

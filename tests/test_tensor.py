@@ -151,3 +151,18 @@ def test_nested_to_global_exchanges_metadata_once(pool4):
             "SbpSignatureError",
             "sbp split dim 1 is out of range for a tensor with 1 dims",
         )
+
+
+def test_a_write_forgets_the_range_learnt_by_to_global():
+    """Labels' range from to_global lets a loss skip a collective; any write through the
+    global tensor, list ops included, forgets it (on every rank alike)."""
+    from sbp.tensor import known_range
+
+    Pl = sbp.placement.all("cpu")
+    y = sbp.to_global(torch.tensor([3, 1, 4]), Pl, B)
+    assert known_range(y) == (1, 4)
+    torch._foreach_add_([y], 1)
+    assert known_range(y) is None and y.to_local().tolist() == [4, 2, 5]
+    y = sbp.to_global(torch.tensor([3, 1, 4]), Pl, B)
+    y.add_(1)
+    assert known_range(y) is None
