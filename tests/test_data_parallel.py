@@ -390,3 +390,46 @@ def test_cross_entropy_divisor_without_a_collective(pool2, hit):
         calls, value = r["after"]
         assert calls == 1
         assert value == pytest.approx(F.cross_entropy(logits, edited).item(), abs=1e-12)
+
+
+class FunctionalNorm(torch.nn.Module):
+    """Calls F.batch_norm itself (no BatchNorm module): the fast path intercepts it with a
+    mode over the whole forward instead of inside BatchNorm modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, 6), torch.nn.Linear(6, 3)
+        self.weight = torch.nn.Parameter(torch.ones(6))
+        self.register_buffer("mean", torch.zeros(6))
+        self.register_buffer("var", torch.ones(6))
+
+    def forward(self, x):
+        h = F.batch_norm(self.inp(x), self.mean, self.var, self.weight, None, self.training)
+        return self.out(torch.relu(h))
+
+
+def _functional_norm(data):
+    from sbp.nn import fast_path
+
+    checked = []
+    check = fast_path.DataParallel._check
+
+    def recording(self, *args):
+        checked.append(check(self, *args))
+        return checked[-1]
+
+    fast_path.DataParallel._check = recording
+    try:
+        out = _train(FunctionalNorm, sbp.placement.all("cpu"), (S0,), True, data)
+    finally:
+        fast_path.DataParallel._check = check
+    return out, [layout.in_modules for layout in checked]
+
+
+def test_functional_batch_norm_outside_modules_equals_one_process(pool2):
+    data = _data()
+    ref_losses, ref_params, ref_buffers, _, _ = _train(FunctionalNorm, None, None, None, data)
+    for (losses, params, buffers, paths, _), in_modules in pool2.run(_functional_norm, data):
+        assert paths == ["fast"] * len(data) and in_modules == [False]
+        assert losses == pytest.approx(ref_losses, abs=1e-12)
+        assert _rel(params, ref_params) < 1e-12 and _rel(buffers, ref_buffers) < 1e-12
