@@ -8,6 +8,7 @@ import torch
 import sbp
 from sbp import comm
 from sbp.comm import cost
+from sbp.comm.meta import MAX_INTS
 from sbp.testing import SpmdError, SpmdPool
 
 
@@ -113,14 +114,15 @@ def test_meta_mismatch_raises_on_every_rank(pool4):
         assert "sbp" not in got.split("dtype differs")[1]
 
 
-def _long_ints():
+def _long_ints(n):
     me = sbp.env.get_rank()
-    return comm.exchange({"k": 1}, (0, 1, 2, 3), ints=list(range(me, me + 20)))
+    return comm.exchange({"k": 1}, (0, 1, 2, 3), ints=list(range(me, me + n)))
 
 
-def test_meta_exchange_many_ints(pool4):
-    for got in pool4.run(_long_ints):
-        assert got == [tuple(range(r, r + 20)) for r in range(4)]
+@pytest.mark.parametrize("n", [20, MAX_INTS, MAX_INTS + 5])  # beyond a row: gathered as objects
+def test_meta_exchange_many_ints(pool4, n):
+    for got in pool4.run(_long_ints, n):
+        assert got == [tuple(range(r, r + n)) for r in range(4)]
 
 
 def _missing_partner():
