@@ -96,12 +96,13 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if _writes(func):  # a range learnt by to_global no longer holds (known_range)
-            for a in args:
-                for t in a if type(a) is list or type(a) is tuple else (a,):
-                    if type(t) is GlobalTensor:
-                        forget_range(t)
-        return _dispatch(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        for i, name in _written(func):  # a range learnt by to_global no longer holds
+            a = args[i] if i < len(args) else kwargs.get(name)
+            for t in a if type(a) is list or type(a) is tuple else (a,):
+                if type(t) is GlobalTensor:
+                    forget_range(t)
+        return _dispatch(func, args, kwargs)
 
     # ------------------------------------------------------------ metadata
     @property
@@ -396,11 +397,15 @@ def forget_range(g: GlobalTensor) -> None:
 _mutable: dict = {}
 
 
-def _writes(func) -> bool:
-    """Does the aten op write any of its arguments? (cached: this runs on every op)"""
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the aten op writes (cached: this runs on every op)."""
     w = _mutable.get(func)
     if w is None:
-        w = _mutable[func] = func._schema.is_mutable
+        w = _mutable[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
     return w
 
 

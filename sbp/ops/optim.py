@@ -71,8 +71,14 @@ def _written(func) -> set[int]:
 
 
 def list_rule(func, args, kwargs):
+    aligned = _aligned_locals(args, kwargs)
+    if aligned is not None:  # the usual optimizer step: nothing to check or move
+        local_args, placement, specs = aligned
+        return _run(func, local_args, kwargs, placement, specs)
+    from sbp.ops.registry import flatten, scan
     from sbp.tensor import GlobalTensor
 
+    scan(func, flatten(args, kwargs)[0])  # mixed placements or local tensors: a named error
     lists = [
         i
         for i, a in enumerate(args)
@@ -105,12 +111,58 @@ def list_rule(func, args, kwargs):
         k: rebox(v, (broadcast,) * placement.ndim)._local if isinstance(v, GlobalTensor) else v
         for k, v in kwargs.items()
     }
+    specs = [t._spec._replace(nd_sbp=nd) for t, nd in zip(first, targets, strict=True)]
+    return _run(func, local_args, local_kwargs, placement, specs)
+
+
+def _aligned_locals(args, kwargs):
+    """(local arguments, placement, specs of the first list) when every tensor argument is in
+    a list of global tensors on one placement, laid out as the first list's at its index,
+    with no partial sums; else None (the general path checks and moves)."""
+    from sbp.tensor import GlobalTensor
+
+    placement = specs = None
+    local_args = list(args)
+    for li, a in enumerate(args):
+        if type(a) is not list and type(a) is not tuple:
+            if isinstance(a, torch.Tensor):
+                return None
+            continue
+        if not a or type(a[0]) is not GlobalTensor:
+            if any(isinstance(t, torch.Tensor) for t in a):
+                return None
+            continue
+        if specs is None:
+            specs = [t._spec for t in a if type(t) is GlobalTensor]
+            placement = specs[0].placement
+            if len(specs) != len(a) or any(
+                (s.placement is not placement and s.placement != placement)
+                or partials_to_broadcast(s.nd_sbp) is not s.nd_sbp
+                for s in specs
+            ):
+                return None
+        elif len(a) != len(specs) or any(
+            type(t) is not GlobalTensor
+            or t._spec.nd_sbp != s.nd_sbp
+            or (t._spec.placement is not placement and t._spec.placement != placement)
+            for t, s in zip(a, specs, strict=True)
+        ):
+            return None
+        local_args[li] = [t._local for t in a]
+    if specs is None or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    return local_args, placement, specs
+
+
+def _run(func, local_args, local_kwargs, placement, specs):
+    """Run the list op on this rank's locals; its outputs (if any) laid out as `specs`."""
+    from sbp.tensor import GlobalTensor
+
     inside = env.get_rank() in placement
     if inside:
         out = func(*local_args, **local_kwargs)
     if not func._schema.returns or len(func._schema.returns) == 0:
         return None
-    specs = [t._spec._replace(nd_sbp=nd) for t, nd in zip(first, targets, strict=True)]
     if not inside:
         return [GlobalTensor(empty_local(s), s) for s in specs]
     return [GlobalTensor(o, s._replace(dtype=o.dtype)) for o, s in zip(out, specs, strict=True)]

@@ -244,8 +244,15 @@ def _resolve(func):
             from sbp.ops.optim import is_list_op, list_rule
 
             rule = list_rule if is_list_op(func) else _FALLBACK
+            if rule is list_rule:
+                _list_ops.add(func)
         _resolved[func] = rule
     return rule
+
+
+# List ops without a rule of their own: `sbp.ops.optim.list_rule` takes their arguments as they
+# are (no decision cache: a key over hundreds of tensors would cost more than it saves).
+_list_ops: set = set()
 
 
 # Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
@@ -254,6 +261,10 @@ observers: list = []
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    if func in _list_ops:
+        if observers:
+            observers[-1].custom(func, args)
+        return _resolved[func](func, args, kwargs)
     flat, tree = flatten(args, kwargs)
     key, gpos = scan(func, flat)
     d = _cache.get(key)
