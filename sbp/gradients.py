@@ -10,7 +10,9 @@ every such gradient whole. Every rank sees the same leaves in the same order
 
 from __future__ import annotations
 
+import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -125,8 +127,14 @@ class Reducer:
         self.params, self.leaves, self.ranks, self.partial_nd = params, leaves, ranks, partial_nd
         self.sync = True
         self.trace: list | None = None  # set to a list to record ("ready", i) / ("launch", b)
+        self.on_finish: Callable[[], None] | None = None  # called once gradients are whole
         self._buckets = _plan_buckets(leaves, bucket_bytes, min(first_bucket_bytes, bucket_bytes))
         self._where = {}
+        # per bucket: its flat buffer, and the reference counts that mean nothing outside
+        # the reducer holds it; per parameter: its slot in the buffer
+        self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._refs: list[tuple[int, int] | None] = [None] * len(self._buckets)
+        self._slots: dict[int, torch.Tensor] = {}
         for b, bucket in enumerate(self._buckets):
             offset = 0
             for i in bucket:
@@ -137,8 +145,7 @@ class Reducer:
             leaf.register_post_accumulate_grad_hook(self._hook(i))
 
     def _reset(self) -> None:
-        self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
-        self._slots: dict[int, torch.Tensor] = {}
+        self._claimed = [False] * len(self._buckets)  # buffer checked free this backward
         self._filled: set[int] = set()
         self._missing = [len(b) for b in self._buckets]
         self._pending: list = [None] * len(self._buckets)
@@ -171,20 +178,32 @@ class Reducer:
 
     def _slot(self, i: int) -> torch.Tensor:
         """Where parameter i's gradient goes in its bucket's flat buffer, shaped as the
-        parameter (the buffer is allocated per step: the gradients handed out are views)."""
-        slot = self._slots.get(i)
-        if slot is None:
-            b, _ = self._where[i]
-            members = self._buckets[b]
-            sizes = [self.leaves[j].numel() for j in members]
-            first = self.leaves[members[0]]
-            flat = torch.empty(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
-            self._flat[b] = flat
-            views = flat.split([*sizes, len(members)])
-            for j, view in zip(members, views, strict=False):
-                self._slots[j] = view.view(self.leaves[j].shape)
-            slot = self._slots[i]
-        return slot
+        parameter."""
+        b, _ = self._where[i]
+        if not self._claimed[b]:
+            self._claim(b)
+        return self._slots[i]
+
+    def _claim(self, b: int) -> None:
+        """Keep bucket b's buffer from the last backward unless something outside the reducer
+        still holds it (a `.grad` not released by `zero_grad()`, a view of one, a reference
+        kept by the user): the gradients handed out are views of it. Else allocate anew."""
+        self._claimed[b] = True
+        members = self._buckets[b]
+        flat = self._flat[b]
+        if flat is not None:
+            held = _held(flat, [self._slots[j] for j in members])
+            if held is not None and held == self._refs[b]:
+                return
+        sizes = [self.leaves[j].numel() for j in members]
+        first = self.leaves[members[0]]
+        flat = torch.empty(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
+        self._flat[b] = flat
+        views = flat.split([*sizes, len(members)])
+        for j, view in zip(members, views, strict=False):
+            self._slots[j] = view.view(self.leaves[j].shape)
+        del views, view
+        self._refs[b] = _held(flat, [self._slots[j] for j in members])
 
     def _accumulate(self, i: int, grad: torch.Tensor) -> None:
         p = self.params[i]
@@ -198,6 +217,8 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         members = self._buckets[b]
+        if not self._claimed[b]:
+            self._claim(b)
         used = []
         for i in members:
             slot, g = self._slot(i), self.params[i].grad
@@ -233,6 +254,8 @@ class Reducer:
                         self._accumulate(i, self._slots[i])
         finally:
             self._reset()
+            if self.on_finish is not None:
+                self.on_finish()
 
     def _keep_partial(self, i: int, grad: torch.Tensor) -> None:
         from sbp.tensor import GlobalTensor
@@ -248,6 +271,15 @@ class Reducer:
                 grad.detach().clone(), p.grad._spec._replace(nd_sbp=self.partial_nd)
             )
             p.grad = p.grad.to_global(sbp=self.partial_nd) + whole
+
+
+def _held(flat: torch.Tensor, slots: list[torch.Tensor]) -> tuple[int, int] | None:
+    """References to a bucket buffer: tensors sharing its storage, and references to its slots
+    (the reducer's own, plus a `.grad` wrapping one, or a name the user keeps)."""
+    if not hasattr(torch._C, "_storage_Use_Count"):  # (private: if it goes, never reuse)
+        return None
+    shared = torch._C._storage_Use_Count(flat.untyped_storage()._cdata)
+    return shared, sum(sys.getrefcount(s) for s in slots)
 
 
 def _plan_buckets(leaves: list, bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:

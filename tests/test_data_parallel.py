@@ -239,6 +239,45 @@ def test_buckets_run_during_backward(pool2):
     assert launches == sorted(launches) and len(launches) > 4  # in bucket order on every rank
 
 
+def test_bucket_buffers_reused_only_when_released(pool2):
+    """Gradients are views of the reducer's bucket buffers. A buffer is reused by the next
+    backward once `zero_grad()` released every gradient in it; a gradient the user kept, or
+    one accumulated into (set_to_none=False), keeps its own numbers."""
+    data = _data(steps=4)
+
+    def run():
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = MLP().double().to_global(P, B)
+        params = list(model.parameters())
+        storage = []
+        kept, kept_copy = None, None
+        for i, (x, y) in enumerate(data):
+            for p in params:
+                p.grad = None if i != 3 else p.grad  # step 3 accumulates onto step 2's
+            _loss(model, x, y, P).backward()
+            storage.append(params[0].grad.to_local().untyped_storage().data_ptr())
+            if i == 1:
+                kept = params[0].grad  # held across the next backward
+                kept_copy = kept.full_tensor().clone()
+        return storage, kept.full_tensor(), kept_copy, [p.grad.full_tensor() for p in params]
+
+    storage, kept, kept_copy, grads = pool2.run(run)[0]
+    torch.manual_seed(0)
+    model = MLP().double()
+    for i, (x, y) in enumerate(data):
+        if i != 3:
+            model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if i == 1:
+            ref_kept = model.layers[0].weight.grad.clone()
+    assert storage[1] == storage[0]  # released by the loop: the buffer is reused
+    assert storage[2] != storage[1]  # step 1's gradient is still held: a new buffer
+    assert torch.equal(kept, kept_copy)
+    assert _rel([kept], [ref_kept]) < 1e-12
+    assert _rel(grads, [p.grad for p in model.parameters()]) < 1e-12
+
+
 def test_no_sync_accumulates_micro_batches(pool2):
     data = _data(steps=3)
 
@@ -352,6 +391,40 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2):
     assert _rel(got[1], ddp_params) < 1e-12
     for a, b in zip(got[2], ddp_buffers, strict=True):
         assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
+
+
+def test_per_shard_statistics_reach_every_rank(pool2):
+    """The first rank's running statistics are copied to the others while backward runs:
+    every rank holds them after backward, and state_dict gives them after a forward alone."""
+    data = _data(n=8, steps=2, shape=(3, 8, 8), classes=4)
+
+    def run():
+        import sbp.nn
+
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = ConvBN().double().to_global(P, B)
+        sbp.nn.data_parallel(model, batch_norm="local")
+        (x1, y1), (x2, _) = data
+        F.cross_entropy(model(_global(x1, P)), _global(y1, P)).backward()
+        after_backward = [b.to_local().clone() for b in model.buffers()]
+        model(_global(x2, P))  # no backward
+        saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        return after_backward, [saved["bn.running_mean"], saved["bn.running_var"]]
+
+    results = pool2.run(run)
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    first_rank_part = [x[:4] for x, _ in data]  # rank 0's shard of each batch
+    ref(first_rank_part[0])
+    ref_after_backward = [b.clone() for b in ref.buffers()]
+    ref(first_rank_part[1])
+    ref_saved = [ref.bn.running_mean, ref.bn.running_var]
+    for after_backward, saved in results:  # every rank
+        assert [a.dtype for a in after_backward] == [b.dtype for b in ref_after_backward]
+        assert _rel(after_backward[:2], ref_after_backward[:2]) < 1e-12
+        assert torch.equal(after_backward[2], ref_after_backward[2])  # num_batches_tracked
+        assert _rel(saved, ref_saved) < 1e-12
 
 
 def _loss_divisor(labels):

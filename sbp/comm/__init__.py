@@ -8,6 +8,7 @@ from sbp.comm.collectives import (
     all_to_all,
     barrier,
     broadcast,
+    broadcast_async,
     exchange_p2p,
     reduce_scatter,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "broadcast_async",
     "comm_stats",
     "exchange",
     "exchange_p2p",

@@ -268,6 +268,16 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     return tensor
 
 
+def broadcast_async(tensor: torch.Tensor, src: int, ranks: Ranks) -> Pending:
+    """Start copying `tensor` of global rank `src` to every rank of `ranks`, in place."""
+    if len(ranks) == 1:
+        return Pending(None, tensor, "broadcast", ranks)
+    stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
+    with guarded("broadcast", ranks):
+        work = dist.broadcast(tensor, src=src, group=get_group(ranks), async_op=True)
+    return Pending(work, tensor, "broadcast", ranks)
+
+
 def exchange_p2p(
     sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
 ) -> None:

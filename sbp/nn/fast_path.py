@@ -346,9 +346,11 @@ class DataParallel:
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reducer: gradients.Reducer | None = None
         self._reducer_key: tuple | None = None
+        self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.settle_buffers()
         if not self.enabled or env.get_rank() not in self.placement:
             return self._per_op(args, kwargs)
         key, data_nd = self._layout_key(args, kwargs)
@@ -490,6 +492,7 @@ class DataParallel:
             )
             self._reducer_key = key
         self._reducer.sync, self._reducer.trace = self.sync, self.trace
+        self._reducer.on_finish = self.settle_buffers
         return {pid: leaf for pid, (_, leaf) in fresh.items()}
 
     def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple):
@@ -537,11 +540,25 @@ class DataParallel:
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
 
-        Train-mode BatchNorm's backward never reads the running statistics, so overwriting
-        them keeps their version (autograd would otherwise refuse the backward)."""
+        The copy runs while backward does: it is settled (`settle_buffers`) when the
+        gradients are, or at the module's next call or state_dict, whichever comes first.
+        Until then another rank's running statistics are still its own shard's (torch DDP
+        leaves them so until its next forward)."""
+        self.settle_buffers()
         group = self.group(data_nd)
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        comm.broadcast(flat, group[0], group)
+        self._buffers_in_flight = (comm.broadcast_async(flat, group[0], group), tensors)
+
+    def settle_buffers(self) -> None:
+        """Wait for the running statistics' broadcast and write them into the buffers.
+
+        Train-mode BatchNorm's backward never reads the running statistics, so overwriting
+        them keeps their version (autograd would otherwise refuse the backward)."""
+        if self._buffers_in_flight is None:
+            return
+        pending, tensors = self._buffers_in_flight
+        self._buffers_in_flight = None
+        flat = pending.wait()
         offset = 0
         for t in tensors:
             with torch.autograd._unsafe_preserve_version_counter(t):
@@ -592,11 +609,25 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
     module.__dict__[ATTR] = fast
     module.forward = types.MethodType(forward, module)
+    if SETTLE_HOOK not in module.__dict__:
+        module.__dict__[SETTLE_HOOK] = module.register_state_dict_pre_hook(_settle_buffers)
+
+
+SETTLE_HOOK = "_sbp_settle_buffers_hook"
+
+
+def _settle_buffers(module: torch.nn.Module, *args: Any) -> None:
+    """state_dict pre-hook: running statistics still being broadcast are written first."""
+    fast = module.__dict__.get(ATTR)
+    if fast is not None:
+        fast.settle_buffers()
 
 
 def detach_fast_path(module: torch.nn.Module) -> None:
     """Remove the fast path (the module's parameters are no longer all broadcast)."""
-    if module.__dict__.pop(ATTR, None) is not None:
+    fast = module.__dict__.pop(ATTR, None)
+    if fast is not None:
+        fast.settle_buffers()
         module.__dict__.pop("forward", None)
 
 
