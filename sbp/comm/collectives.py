@@ -140,8 +140,11 @@ def _shared_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segmen
     """The shared-memory path of a small collective on one host (see `shm`), or None."""
     if not shm.usable(tensor) or functional.tracing(tensor):
         return None
+    group = get_group(ranks)
+    if shm.ready(ranks, group):
+        return shm.segment(ranks, group)
     with guarded(kind, ranks):  # (a collective sets the segment up at the first call)
-        return shm.segment(ranks, get_group(ranks))
+        return shm.segment(ranks, group)
 
 
 def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._guards import TracingContext
 
 from sbp.comm.groups import get_group
 
@@ -25,6 +26,12 @@ def tracing(t: torch.Tensor | None = None) -> bool:
     """Is a graph being traced (Dynamo, AOT autograd) or is `t` a fake tensor?"""
     if torch.compiler.is_compiling():
         return True
+    if (
+        (t is None or type(t) is torch.Tensor)
+        and torch._C._len_torch_dispatch_stack() == 0
+        and TracingContext.try_get() is None
+    ):
+        return False  # eager, no mode active: answered without torch's search for a fake mode
     from torch._guards import detect_fake_mode
 
     if t is None:

@@ -37,11 +37,12 @@ from sbp.errors import CommTimeoutError
 
 SLOT_BYTES = 64 * 1024
 LINE = 64  # one cache line per rank's sequence number
-SPINS = 2000  # busy checks before yielding (~2-4 ms of a rank's time at most)
+SPINS = 500  # busy checks before yielding (~0.1-0.3 ms: most peers arrive sooner)
 YIELD_S = 0.002  # then sched_yield until this long, then short sleeps
 SLEEP_S = 50e-6
 CHECK_EVERY_S = 0.01  # peers alive and the deadline, checked this often while waiting
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# (read once: the switch is for a whole run, and os.environ costs microseconds per call)
+_ENABLED = platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("SBP_SHM") != "0"
 _segments: dict[tuple[int, ...], tuple[object, Segment | None]] = {}
 
 
@@ -56,47 +57,69 @@ class Segment:
         self.slots = torch.frombuffer(
             mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * SLOT_BYTES
         ).view(2, n, SLOT_BYTES)
+        self.others = [k for k in range(n) if k != self.me]
+        self._view_cache: dict = {}
         self.calls = 0
         self.spins = SPINS if len(os.sched_getaffinity(0)) >= n else 0  # oversubscribed: yield
 
-    def _exchange(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor`, one row per rank in ascending rank order (a view of the
-        slots, valid until the call after next)."""
+    def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple:
+        """(this rank's part, all parts as rows, each part) of slot `parity` as `dtype`,
+        made once per shape (views cost microseconds; a training step repeats a few shapes)."""
+        key = (parity, nbytes, dtype)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) > 512:
+                self._view_cache.clear()
+            rows = self.slots[parity, :, :nbytes].view(dtype)
+            parts = list(rows.unbind(0))
+            views = self._view_cache[key] = (parts[self.me], rows, parts)
+        return views
+
+    def _exchange(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every rank's `tensor`: as rows in ascending rank order, and one by one (views of
+        the slots, valid until the call after next)."""
         self.calls += 1
-        n, parity = self.calls, self.calls & 1
-        nbytes = tensor.numel() * tensor.element_size()
-        self.slots[parity, self.me, :nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        n = self.calls
+        mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
+        mine.copy_(tensor.view(-1))
         self.seq[self.me] = n
         self._wait(n)
-        return self.slots[parity, :, :nbytes].view(tensor.dtype).view(len(self.ranks), -1)
+        return rows, parts
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`tensor` (contiguous, CPU, at most SLOT_BYTES) reduced over the set, in place."""
-        parts = self._exchange(tensor)
+        rows, parts = self._exchange(tensor)
         flat = tensor.view(-1)
-        if op == "sum":
-            flat.copy_(parts[0])
-            for k in range(1, len(self.ranks)):
-                flat.add_(parts[k])
+        if op == "sum":  # in rank order on every rank: the same bits everywhere
+            if len(parts) == 2:
+                torch.add(parts[0], parts[1], out=flat)
+            else:
+                flat.copy_(parts[0])
+                for part in parts[1:]:
+                    flat.add_(part)
         elif op == "max":
-            torch.amax(parts, 0, out=flat)  # (amax and amin keep NaN)
+            torch.amax(rows, 0, out=flat)  # (amax and amin keep NaN)
         else:
-            torch.amin(parts, 0, out=flat)
+            torch.amin(rows, 0, out=flat)
         return tensor
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """Every rank's `input` stacked in ascending rank order into `output`."""
-        output.view(len(self.ranks), -1).copy_(self._exchange(input))
+        rows, _ = self._exchange(input)
+        output.view(len(self.ranks), -1).copy_(rows)
         return output
 
-    def _wait(self, n: int) -> None:
+    def _arrived(self, n: int) -> bool:
         seq = self.seq
+        return all(seq[k] >= n for k in self.others)
+
+    def _wait(self, n: int) -> None:
         for _ in range(self.spins):
-            if seq.min() >= n:
+            if self._arrived(n):
                 return
         start = last_check = time.monotonic()
         timeout = env.get_timeout().total_seconds()
-        while seq.min() < n:
+        while not self._arrived(n):
             now = time.monotonic()
             if now - start < YIELD_S:
                 os.sched_yield()
@@ -130,25 +153,32 @@ def _alive(pid: int) -> bool:
 def usable(tensor: torch.Tensor) -> bool:
     """May this tensor's all-reduce go through shared memory (same answer on every rank)?"""
     return (
-        _X86
-        and tensor.device.type == "cpu"
+        _ENABLED
         and tensor.dtype != torch.bool
         and tensor.numel() * tensor.element_size() <= SLOT_BYTES
         and tensor.is_contiguous()
-        and os.environ.get("SBP_SHM", "1") != "0"
+        and tensor.device.type == "cpu"
     )
+
+
+def ready(ranks: tuple[int, ...], group) -> bool:
+    """Was the rank set's segment (or its absence) settled for `group` already?"""
+    known = _segments.get(ranks)
+    return known is not None and known[0] is group
 
 
 def segment(ranks: tuple[int, ...], group) -> Segment | None:
     """The rank set's segment, made at its first use (a collective over `group`), or None
     when the set spans hosts or shared memory is not available on one of them."""
-    key = tuple(sorted(ranks))
-    known = _segments.get(key)
+    known = _segments.get(ranks)
     if known is not None and known[0] is group:
         return known[1]
-    made = _make(key, group)
-    _segments[key] = (group, made)
-    return made
+    key = tuple(sorted(ranks))
+    known = _segments.get(key)
+    if known is None or known[0] is not group:
+        known = _segments[key] = (group, _make(key, group))
+    _segments[ranks] = known
+    return known[1]
 
 
 def _host() -> str:
