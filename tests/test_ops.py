@@ -182,6 +182,14 @@ ROWS = {
         [(S0, B, B), (B, B, B), (S2, B, B), (P, B, B), (S1, B, B)],
         two_d=[((S0, S0), (B, B), (B, B)), ((S0, S2), (B, B), (B, B))],
     ),
+    # 3 samples on 4 ranks: one rank's part of the batch is empty; 1x1 and 2x2 planes
+    "batch_norm_train_small": Row(
+        [(3, 5, 2, 2), (5,), (5,)],
+        _bn_train,
+        [(S0, B, B), (S1, B, B)],
+        two_d=[((S0, S0), (B, B), (B, B)), ((S0, sbp.split(3)), (B, B), (B, B))],
+    ),
+    "batch_norm_train_1d": Row([(3, 5), (5,), (5,)], _bn_train, [(S0, B, B)]),
     "batch_norm_eval": Row([(7, 3, 4, 4), (3,), (3,)], _bn_eval, [(S0, B, B), (B, B, B)]),
     "pooling": Row(
         [(5, 3, 6, 6)],
