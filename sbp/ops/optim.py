@@ -134,13 +134,16 @@ def _aligned_locals(args, kwargs):
             continue
         if specs is None:
             specs = [t._spec for t in a if type(t) is GlobalTensor]
-            placement = specs[0].placement
-            if len(specs) != len(a) or any(
-                (s.placement is not placement and s.placement != placement)
-                or partials_to_broadcast(s.nd_sbp) is not s.nd_sbp
-                for s in specs
-            ):
+            placement, whole = specs[0].placement, None
+            if len(specs) != len(a):
                 return None
+            for s in specs:
+                if s.placement is not placement and s.placement != placement:
+                    return None
+                if s.nd_sbp is not whole:  # (tensors of a model share a few nd_sbp objects)
+                    if partials_to_broadcast(s.nd_sbp) is not s.nd_sbp:
+                        return None
+                    whole = s.nd_sbp
         elif len(a) != len(specs) or any(
             type(t) is not GlobalTensor
             or t._spec.nd_sbp != s.nd_sbp
