@@ -265,9 +265,11 @@ def _dropped_collective(name, make_inplace):
 
 def test_no_collective_is_dropped_from_the_graph(pool2):
     """In a world of 2 the compiled loss is the one-process loss; the graph holds the
-    all-reduces as functional collectives, each waited on. The same run with in-place
+    all-reduces as functional collectives, each waited on, or as sbp's small all-reduce (an
+    op returning its result, run through shared memory). The same run with in-place
     collectives on fake tensors (what tracing would do without the switch) loses them."""
-    all_reduce, wait = "_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"
+    gloo, wait = "_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"
+    small = "sbp.small_all_reduce.default"
     model = _model("convbn")
     x, y = _batches("convbn", steps=1)[0]
     ref = _cross_entropy(model, x, y)
@@ -278,12 +280,12 @@ def test_no_collective_is_dropped_from_the_graph(pool2):
         _close(grads, ref_grads)
         forward = graphs[0]
         # nll_loss (total weight) and BatchNorm (mean, variance; grads in backward)
-        assert forward.count(all_reduce) >= 3
-        assert forward.count(wait) == forward.count(all_reduce)
-        assert graphs[1].count(all_reduce) >= 1
+        assert forward.count(gloo) + forward.count(small) >= 3
+        assert forward.count(wait) == forward.count(gloo)
+        assert graphs[1].count(gloo) + graphs[1].count(small) >= 1
     for loss, _, graphs in pool2.run(_dropped_collective, "convbn", True):
         assert abs(loss - ref.item()) > 1e-3  # the hazard is real: this is what is prevented
-        assert all_reduce not in graphs[0]
+        assert gloo not in graphs[0] and small not in graphs[0]
 
 
 def _layout_guards():
