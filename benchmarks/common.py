@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -183,7 +184,9 @@ def time_methods(
 
     Every call is preceded by a barrier; the time of a round is the max over ranks. A method
     that raises during warm-up on any rank is dropped on all ranks and keeps its error.
-    Interleaving means slow phases of the shared machine hit every method alike.
+    Interleaving means slow phases of the shared machine hit every method alike; the order
+    is shuffled each round, so what one method leaves behind (freed memory, busy threads)
+    does not always fall on the same next one.
     """
     out = {name: Timing() for name in methods}
     live = list(methods)
@@ -204,7 +207,10 @@ def time_methods(
                 live.remove(name)
     times = torch.zeros(len(live), rounds, dtype=torch.float64)
     for r in range(rounds):
-        for i, name in enumerate(live):
+        order = list(range(len(live)))
+        random.Random(r).shuffle(order)  # (seeded: every rank runs the same order)
+        for i in order:
+            name = live[i]
             fn = methods[name]
             dist.barrier()
             t0 = time.perf_counter()
