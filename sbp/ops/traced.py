@@ -13,6 +13,8 @@ again (saved or recomputed) and then sees the updated value. So in training,
 the statistics come from the batch alone (the running statistics are not
 passed to the eager rule), and the running statistics are updated afterwards
 from the returned batch mean and 1/std, with global ops that keep their layout.
+Where no rank's batch is split (a world of one), there is nothing to sum, and torch's
+own op runs on the local tensors, as it does in plain torch's graph.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import math
 
 import torch
 
-from sbp.ops.batch_norm import native_batch_norm
-from sbp.ops.registry import register
+from sbp import env
+from sbp.layout import GlobalSpec
+from sbp.ops.batch_norm import _acc, _bn_layout, _locals, _parts, native_batch_norm
+from sbp.ops.registry import rebox, register
+from sbp.signature import broadcast
 
 aten = torch.ops.aten
 _NATIVE = aten.native_batch_norm.default
@@ -37,6 +42,37 @@ def _train(x, weight, bias, momentum: float, eps: float):
     with torch.no_grad():
         unbiased = (invstd.pow(-2) - eps) * (n / max(n - 1, 1))
     return out, mean, invstd, unbiased
+
+
+def _native_on_locals(func, args: list):
+    """Train mode where every rank holds its whole batch (a world of one, or a batch not
+    split): torch's own op on the local tensors, as plain torch traces it, one fused
+    BatchNorm instead of ~20 ops rebuilding the running statistics. None otherwise.
+
+    `args` are the op's (x, weight, bias, running_mean, running_var, ...); its outputs are
+    (out, mean, invstd) and, for the functional variant, the new running statistics."""
+    from sbp.tensor import GlobalTensor
+
+    x, weight, bias, running_mean, running_var = args[:5]
+    nd = _bn_layout(x)
+    placement = x._spec.placement
+    allb = (broadcast,) * len(nd)
+    if (
+        _parts(placement, nd) != 1
+        or env.get_rank() not in placement
+        or any(t._spec.nd_sbp != allb for t in (running_mean, running_var))
+    ):
+        return None
+    x = rebox(x, nd)
+    outs = func(x._local, *_locals((weight, bias, running_mean, running_var), len(nd)), *args[5:])
+    stat = GlobalSpec(placement, allb, (x.shape[1],), _acc(x.dtype))
+    wrapped = [GlobalTensor(outs[0], x._spec)]
+    wrapped += [
+        GlobalTensor(o, stat._replace(shape=tuple(o.shape), dtype=o.dtype)) for o in outs[1:3]
+    ]
+    for new, old in zip(outs[3:], (running_mean, running_var), strict=False):
+        wrapped.append(GlobalTensor(new, old._spec._replace(dtype=new.dtype)))
+    return tuple(wrapped)
 
 
 def _updated(running, batch, momentum: float):
@@ -55,6 +91,10 @@ def batch_norm_legit(func, args, kwargs):
         return native_batch_norm(
             _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
         )
+    if running_mean is not None and running_var is not None:
+        whole = _native_on_locals(func, _args(func, args, kwargs))
+        if whole is not None:
+            return whole
     out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
     with torch.no_grad():
         running_mean.copy_(_updated(running_mean, mean, momentum))
@@ -77,6 +117,9 @@ def batch_norm_legit_functional(func, args, kwargs):
             _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
         )
         return out, mean, invstd, running_mean.clone(), running_var.clone()
+    whole = _native_on_locals(func, _args(func, args, kwargs))
+    if whole is not None:
+        return whole
     out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
     with torch.no_grad():
         new_mean = _updated(running_mean, mean, momentum)
