@@ -1,6 +1,7 @@
 """The GlobalTensor surface users touch: metadata, logical values, repr, containers, modules."""
 
 import numpy as np
+import pytest
 import torch
 
 import sbp
@@ -151,6 +152,25 @@ def test_nested_to_global_exchanges_metadata_once(pool4):
             "SbpSignatureError",
             "sbp split dim 1 is out of range for a tensor with 1 dims",
         )
+
+
+def test_copy_between_global_tensors_laid_out_alike():
+    """Local to local without dispatch, yet a write like any other: the range learnt by
+    to_global is forgotten, autograd sees the new version, a leaf that requires grad refuses."""
+    from sbp.tensor import known_range
+
+    Pl = sbp.placement.all("cpu")
+    y = sbp.to_global(torch.tensor([3, 1, 4]), Pl, B)
+    y.copy_(sbp.to_global(torch.tensor([7, 8, 9]), Pl, B))
+    assert y.to_local().tolist() == [7, 8, 9] and known_range(y) is None
+    w = sbp.to_global(torch.ones(3, dtype=torch.float64), Pl, B).requires_grad_()
+    saved = sbp.to_global(torch.full((3,), 2.0, dtype=torch.float64), Pl, B)
+    out = (w * saved).sum()
+    saved.copy_(sbp.to_global(torch.zeros(3, dtype=torch.float64), Pl, B))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        w.copy_(sbp.to_global(torch.zeros(3, dtype=torch.float64), Pl, B))
 
 
 def test_a_write_forgets_the_range_learnt_by_to_global():
