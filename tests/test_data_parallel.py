@@ -395,7 +395,8 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2):
 
 def test_per_shard_statistics_reach_every_rank(pool2):
     """The first rank's running statistics are copied to the others while backward runs:
-    every rank holds them after backward, and state_dict gives them after a forward alone."""
+    every rank holds them after backward, state_dict gives them after a forward alone, and
+    a load_state_dict after a forward is not overwritten by the copy still in flight."""
     data = _data(n=8, steps=2, shape=(3, 8, 8), classes=4)
 
     def run():
@@ -409,8 +410,13 @@ def test_per_shard_statistics_reach_every_rank(pool2):
         F.cross_entropy(model(_global(x1, P)), _global(y1, P)).backward()
         after_backward = [b.to_local().clone() for b in model.buffers()]
         model(_global(x2, P))  # no backward
-        saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-        return after_backward, [saved["bn.running_mean"], saved["bn.running_var"]]
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        saved = {k: v.to_local().clone() for k, v in state.items()}
+        model(_global(x1, P))  # a forward, then a load: the loaded values stay
+        model.load_state_dict(state)
+        sbp.nn.fast_path.state(model).settle_buffers()
+        loaded = [model.bn.running_mean.to_local(), model.bn.running_var.to_local()]
+        return after_backward, [saved["bn.running_mean"], saved["bn.running_var"]], loaded
 
     results = pool2.run(run)
     torch.manual_seed(0)
@@ -420,11 +426,12 @@ def test_per_shard_statistics_reach_every_rank(pool2):
     ref_after_backward = [b.clone() for b in ref.buffers()]
     ref(first_rank_part[1])
     ref_saved = [ref.bn.running_mean, ref.bn.running_var]
-    for after_backward, saved in results:  # every rank
+    for after_backward, saved, loaded in results:  # every rank
         assert [a.dtype for a in after_backward] == [b.dtype for b in ref_after_backward]
         assert _rel(after_backward[:2], ref_after_backward[:2]) < 1e-12
         assert torch.equal(after_backward[2], ref_after_backward[2])  # num_batches_tracked
         assert _rel(saved, ref_saved) < 1e-12
+        assert _rel(loaded, ref_saved) < 1e-12
 
 
 def _loss_divisor(labels):

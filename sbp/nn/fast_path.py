@@ -524,7 +524,11 @@ class DataParallel:
                 "layout was checked (use sbp.nn.data_parallel(module, fast=False))"
             )
         if run.to_sync:
+            # while a backward follows (it settles them); else at once
+            backward_follows = grad and self._reducer is not None and bool(self._reducer.params)
             self._broadcast_buffers(run.to_sync, data_nd)
+            if not backward_follows:
+                self.settle_buffers()
         return self._wrap(out, layout, data_nd, grad)
 
     @contextlib.contextmanager
@@ -540,10 +544,11 @@ class DataParallel:
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
 
-        The copy runs while backward does: it is settled (`settle_buffers`) when the
-        gradients are, or at the module's next call or state_dict, whichever comes first.
-        Until then another rank's running statistics are still its own shard's (torch DDP
-        leaves them so until its next forward)."""
+        When a backward follows, the copy runs while it does: it is settled
+        (`settle_buffers`) when the gradients are, or at the module's next call, state_dict
+        or load_state_dict, whichever comes first. Until then another rank's running
+        statistics are still its own shard's (torch DDP leaves them so until its next
+        forward)."""
         self.settle_buffers()
         group = self.group(data_nd)
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -610,14 +615,18 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
     module.__dict__[ATTR] = fast
     module.forward = types.MethodType(forward, module)
     if SETTLE_HOOK not in module.__dict__:
-        module.__dict__[SETTLE_HOOK] = module.register_state_dict_pre_hook(_settle_buffers)
+        module.__dict__[SETTLE_HOOK] = (
+            module.register_state_dict_pre_hook(_settle_buffers),
+            module.register_load_state_dict_pre_hook(_settle_buffers),
+        )
 
 
 SETTLE_HOOK = "_sbp_settle_buffers_hook"
 
 
 def _settle_buffers(module: torch.nn.Module, *args: Any) -> None:
-    """state_dict pre-hook: running statistics still being broadcast are written first."""
+    """state_dict and load_state_dict pre-hook: running statistics still being broadcast
+    are written first (a load would otherwise be overwritten by them)."""
     fast = module.__dict__.get(ATTR)
     if fast is not None:
         fast.settle_buffers()
