@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
+import gc
 import os
 import re
 import signal
@@ -137,6 +138,7 @@ def _shutdown() -> None:
             fn()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+    gc.collect()  # cyclic garbage (autograd graphs, modules) may still hold a group's work
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -217,8 +217,6 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         members = self._buckets[b]
-        if not self._claimed[b]:
-            self._claim(b)
         used = []
         for i in members:
             slot, g = self._slot(i), self.params[i].grad
