@@ -126,21 +126,27 @@ def test_meta_exchange_many_ints(pool4, n):
 
 
 def _missing_partner():
+    """Rank 0 all-reduces alone; the shared segment's setup (its first call) times out."""
+    import glob
+
     me = sbp.env.get_rank()
     if me == 0:
+        before = set(glob.glob("/dev/shm/sbp-*"))
         try:
             comm.all_reduce(torch.ones(2), "sum", (0, 1))
         except sbp.CommTimeoutError as e:
-            return "timeout: " + str(e)[:80]
-    return "skipped"
+            left = sorted(set(glob.glob("/dev/shm/sbp-*")) - before)
+            return "timeout: " + str(e)[:80], left
+    return "skipped", []
 
 
 def test_collective_timeout_becomes_comm_timeout_error():
     pool = SpmdPool(2, timeout=60, comm_timeout=2.0)
     try:
         results = pool.run(_missing_partner)
-        assert results[0].startswith("timeout: all_reduce over ranks [0, 1]")
-        assert results[1] == "skipped"
+        assert results[0][0].startswith("timeout: all_reduce over ranks [0, 1]")
+        assert results[0][1] == []  # the segment's file is removed though no peer came
+        assert results[1][0] == "skipped"
     finally:
         pool.close()
 

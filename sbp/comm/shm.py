@@ -21,6 +21,7 @@ call n's slots, so no part is overwritten before everyone has read it.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -193,33 +194,35 @@ def _host() -> str:
 def _make(ranks: tuple[int, ...], group) -> Segment | None:
     size = LINE * len(ranks) + 2 * len(ranks) * SLOT_BYTES
     leader = env.get_rank() == ranks[0]
-    path, fd = None, None
+    created, fd = None, None
     if leader:
-        path = f"/dev/shm/sbp-{uuid.uuid4().hex}"
+        created = f"/dev/shm/sbp-{uuid.uuid4().hex}"
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)
         except OSError:
-            path = None
-    info = [None] * len(ranks)
-    dist.all_gather_object(info, (_host(), os.getpid(), path), group=group)
-    hosts = {h for h, _, _ in info}
-    path = info[0][2]
-    mapping = None
-    if len(hosts) == 1 and path is not None:
-        try:
-            if fd is None:
-                fd = os.open(path, os.O_RDWR)
-            mapping = mmap.mmap(fd, size)
-        except OSError:
-            mapping = None
-        finally:
-            if fd is not None:
-                os.close(fd)
-    ok = torch.tensor([int(mapping is not None)])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # everyone attached (or no one uses it)
-    if leader and path is not None:
-        os.unlink(path)  # the mappings stay; nothing is left behind when processes end
+            created = None
+    try:
+        info = [None] * len(ranks)
+        dist.all_gather_object(info, (_host(), os.getpid(), created), group=group)
+        hosts = {h for h, _, _ in info}
+        path = info[0][2]
+        mapping = None
+        if len(hosts) == 1 and path is not None:
+            try:
+                if fd is None:
+                    fd = os.open(path, os.O_RDWR)
+                mapping = mmap.mmap(fd, size)
+            except OSError:
+                mapping = None
+        ok = torch.tensor([int(mapping is not None)])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # everyone attached, or none uses it
+    finally:  # the mappings stay; nothing is left behind, even when a peer never came
+        if fd is not None:
+            os.close(fd)
+        if created is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(created)
     if not ok.item():
         return None
     return Segment(ranks, mapping, [pid for _, pid, _ in info])
