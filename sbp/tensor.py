@@ -97,7 +97,7 @@ class GlobalTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, name in _written(func):  # a range learnt by to_global no longer holds
+        for i, name in written_args(func):  # a range learnt by to_global no longer holds
             a = args[i] if i < len(args) else kwargs.get(name)
             for t in a if type(a) is list or type(a) is tuple else (a,):
                 if type(t) is GlobalTensor:
@@ -411,7 +411,7 @@ def forget_range(g: GlobalTensor) -> None:
 _mutable: dict = {}
 
 
-def _written(func) -> tuple[tuple[int, str], ...]:
+def written_args(func) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument the aten op writes (cached: this runs on every op)."""
     w = _mutable.get(func)
     if w is None:

@@ -237,6 +237,22 @@ def _locals(tensors, nd_len: int) -> list:
     return [rebox(t, allb)._local if t is not None else None for t in tensors]
 
 
+def wrap_native(outs, x, stat_spec: GlobalSpec, running: tuple = ()) -> tuple:
+    """torch's BatchNorm outputs on the local tensors as global ones: (out, mean, invstd) laid
+    out as `x` and `stat_spec` (the shape and dtype torch gave them), and, from the functional
+    variant, the new running statistics laid out as the old ones (`running`)."""
+    from sbp.tensor import GlobalTensor
+
+    wrapped = [GlobalTensor(outs[0], x._spec)]
+    for stat in outs[1:3]:
+        wrapped.append(
+            GlobalTensor(stat, stat_spec._replace(shape=tuple(stat.shape), dtype=stat.dtype))
+        )
+    for new, old in zip(outs[3:], running, strict=True):
+        wrapped.append(GlobalTensor(new, old._spec._replace(dtype=new.dtype)))
+    return tuple(wrapped)
+
+
 @register(aten.native_batch_norm.default)
 def native_batch_norm(func, args, kwargs):
     """Train mode over a split batch: the logical batch's statistics; otherwise local."""
@@ -259,13 +275,7 @@ def native_batch_norm(func, args, kwargs):
         )
     w, b, rm, rv = _locals((weight, bias, running_mean, running_var), len(nd))
     if not training or _parts(placement, nd) == 1:
-        out, m, v = func(x._local, w, b, rm, rv, training, momentum, eps)
-        mspec = stat_spec._replace(dtype=m.dtype)
-        return (
-            GlobalTensor(out, x._spec),
-            GlobalTensor(m, mspec._replace(shape=tuple(m.shape))),
-            GlobalTensor(v, mspec._replace(shape=tuple(v.shape))),
-        )
+        return wrap_native(func(x._local, w, b, rm, rv, training, momentum, eps), x, stat_spec)
     reduce = group_all_reduce(split_group(placement, nd, me))
     out, mean, invstd = forward(x._local, w, b, rm, rv, momentum, eps, _count(x), reduce)
     return (

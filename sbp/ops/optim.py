@@ -62,21 +62,13 @@ def is_list_op(func) -> bool:
     return bool(args) and str(args[0].type).startswith("List[Tensor")
 
 
-def _written(func) -> set[int]:
-    return {
-        i
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    }
-
-
 def list_rule(func, args, kwargs):
     aligned = _aligned_locals(args, kwargs)
     if aligned is not None:  # the usual optimizer step: nothing to check or move
         local_args, placement, specs = aligned
         return _run(func, local_args, kwargs, placement, specs)
     from sbp.ops.registry import flatten, scan
-    from sbp.tensor import GlobalTensor
+    from sbp.tensor import GlobalTensor, written_args
 
     scan(func, flatten(args, kwargs)[0])  # mixed placements or local tensors: a named error
     lists = [
@@ -84,7 +76,7 @@ def list_rule(func, args, kwargs):
         for i, a in enumerate(args)
         if isinstance(a, (list, tuple)) and any(isinstance(t, GlobalTensor) for t in a)
     ]
-    written = _written(func)
+    written = {i for i, _ in written_args(func)}
     first = args[lists[0]]
     targets = [partials_to_broadcast(t._spec.nd_sbp) for t in first]
     placement = first[0]._spec.placement

@@ -25,7 +25,14 @@ import torch
 
 from sbp import env
 from sbp.layout import GlobalSpec
-from sbp.ops.batch_norm import _acc, _bn_layout, _locals, _parts, native_batch_norm
+from sbp.ops.batch_norm import (
+    _acc,
+    _bn_layout,
+    _locals,
+    _parts,
+    native_batch_norm,
+    wrap_native,
+)
 from sbp.ops.registry import rebox, register
 from sbp.signature import broadcast
 
@@ -51,8 +58,6 @@ def _native_on_locals(func, args: list):
 
     `args` are the op's (x, weight, bias, running_mean, running_var, ...); its outputs are
     (out, mean, invstd) and, for the functional variant, the new running statistics."""
-    from sbp.tensor import GlobalTensor
-
     x, weight, bias, running_mean, running_var = args[:5]
     nd = _bn_layout(x)
     placement = x._spec.placement
@@ -65,14 +70,8 @@ def _native_on_locals(func, args: list):
         return None
     x = rebox(x, nd)
     outs = func(x._local, *_locals((weight, bias, running_mean, running_var), len(nd)), *args[5:])
-    stat = GlobalSpec(placement, allb, (x.shape[1],), _acc(x.dtype))
-    wrapped = [GlobalTensor(outs[0], x._spec)]
-    wrapped += [
-        GlobalTensor(o, stat._replace(shape=tuple(o.shape), dtype=o.dtype)) for o in outs[1:3]
-    ]
-    for new, old in zip(outs[3:], (running_mean, running_var), strict=False):
-        wrapped.append(GlobalTensor(new, old._spec._replace(dtype=new.dtype)))
-    return tuple(wrapped)
+    stat_spec = GlobalSpec(placement, allb, (x.shape[1],), _acc(x.dtype))
+    return wrap_native(outs, x, stat_spec, (running_mean, running_var)[: len(outs) - 3])
 
 
 def _updated(running, batch, momentum: float):
@@ -86,15 +85,15 @@ def _updated(running, batch, momentum: float):
 @register(aten._native_batch_norm_legit.default)
 def batch_norm_legit(func, args, kwargs):
     """Train or eval with running statistics; updates them in place when training."""
-    x, weight, bias, running_mean, running_var, training, momentum, eps = _args(func, args, kwargs)
+    every = _args(func, args, kwargs)
+    x, weight, bias, running_mean, running_var, training, momentum, eps = every
     if not training:
         return native_batch_norm(
             _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
         )
-    if running_mean is not None and running_var is not None:
-        whole = _native_on_locals(func, _args(func, args, kwargs))
-        if whole is not None:
-            return whole
+    whole = _native_on_locals(func, every)
+    if whole is not None:
+        return whole
     out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
     with torch.no_grad():
         running_mean.copy_(_updated(running_mean, mean, momentum))
@@ -111,13 +110,14 @@ def batch_norm_legit_no_stats(func, args, kwargs):
 @register(aten._native_batch_norm_legit_functional.default)
 def batch_norm_legit_functional(func, args, kwargs):
     """Like `_native_batch_norm_legit`, returning the new running statistics instead."""
-    x, weight, bias, running_mean, running_var, training, momentum, eps = _args(func, args, kwargs)
+    every = _args(func, args, kwargs)
+    x, weight, bias, running_mean, running_var, training, momentum, eps = every
     if not training:
         out, mean, invstd = native_batch_norm(
             _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
         )
         return out, mean, invstd, running_mean.clone(), running_var.clone()
-    whole = _native_on_locals(func, _args(func, args, kwargs))
+    whole = _native_on_locals(func, every)
     if whole is not None:
         return whole
     out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
