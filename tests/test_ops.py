@@ -330,7 +330,13 @@ def _mixing():
     g = sbp.ones(4, 2, placement=P_, sbp=B)
     h = sbp.ones(4, 2, placement=sbp.placement("cpu", [1, 0]), sbp=B)
     out = []
-    for f in (lambda: g + torch.ones(4, 2), lambda: g + h):
+    cases = (
+        lambda: g + torch.ones(4, 2),
+        lambda: g + h,
+        lambda: torch._foreach_add_([g], [torch.ones(4, 2)]),  # list ops: their own path
+        lambda: torch._foreach_add_([g], [h]),
+    )
+    for f in cases:
         try:
             f()
             out.append("no error")
@@ -340,9 +346,11 @@ def _mixing():
 
 
 def test_mixing_local_or_placements_raises_naming_the_op(pool4):
-    for local_msg, placement_msg in pool4.run(_mixing):
+    for local_msg, placement_msg, list_local, list_placement in pool4.run(_mixing):
         assert "aten.add.Tensor" in local_msg and "local torch.Tensor" in local_msg
         assert "aten.add.Tensor" in placement_msg and "different placements" in placement_msg
+        assert "aten._foreach_add_" in list_local and "local torch.Tensor" in list_local
+        assert "aten._foreach_add_" in list_placement and "different placements" in list_placement
 
 
 def _factories():
