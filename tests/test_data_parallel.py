@@ -67,7 +67,8 @@ def _data(n=10, steps=3, shape=(8,), classes=3, seed=1):
     ]
 
 
-def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global"):
+def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global", compiled=False):
+    """`fast`: the fast path on or off; `compiled`: the model under torch.compile (aot_eager)."""
     import sbp.nn
 
     torch.manual_seed(0)
@@ -82,11 +83,12 @@ def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global"
         if opt == "sgd"
         else torch.optim.AdamW(params, lr=1e-2)
     )
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
     losses, paths = [], []
     for x, y in data:
         if placement is not None:
             x, y = _global(x, placement, nd), _global(y, placement, nd)
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(run(x), y)
         if placement is not None:
             paths.append(sbp.nn.fast_path.state(model).last_path)
         optim.zero_grad()
@@ -365,14 +367,19 @@ class ConvBN(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def test_per_shard_batch_norm_equals_torch_ddp(pool2):
+@pytest.mark.parametrize("path", ["fast", "per-op", "compiled"])
+def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
+    """The fast path, op by op (`sbp::shard_batch_norm`) and torch.compile (the same op in
+    the graph, one broadcast of the running statistics) all compute what torch DDP does."""
     data = _data(n=8, steps=3, shape=(3, 8, 8), classes=4)
 
     def run():
         import torch.distributed as dist
 
         P = sbp.placement("cpu", [0, 1])
-        got = _train(ConvBN, P, S0, True, data, batch_norm="local")
+        got = _train(
+            ConvBN, P, S0, path == "fast", data, batch_norm="local", compiled=path == "compiled"
+        )
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(ConvBN().double())
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
@@ -386,11 +393,12 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2):
             dist.broadcast(b, 0)  # torch DDP's buffers are rank 0's (it broadcasts them)
         return got, [p.detach() for p in ddp.module.parameters()], buffers
 
-    got, ddp_params, ddp_buffers = pool2.run(run)[0]
-    assert got[3] == ["fast"] * 3
-    assert _rel(got[1], ddp_params) < 1e-12
-    for a, b in zip(got[2], ddp_buffers, strict=True):
-        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
+    expected_path = {"fast": "fast", "per-op": "per-op", "compiled": ""}[path]
+    for got, ddp_params, ddp_buffers in pool2.run(run):  # every rank's buffers: rank 0's
+        assert got[3] == [expected_path] * 3
+        assert _rel(got[1], ddp_params) < 1e-12
+        for a, b in zip(got[2], ddp_buffers, strict=True):
+            assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
 
 
 def test_per_shard_statistics_reach_every_rank(pool2):

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sbp import comm, env, gradients, local_constants, random
 from sbp.layout import GlobalSpec
+from sbp.nn import shard_batch_norm
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, same_layout
 from sbp.placement import placement as Placement
@@ -75,6 +76,7 @@ class _Check:
 
     SAME_LAYOUT = (same_layout, like)
     BATCH_NORM = aten.native_batch_norm.default
+    SHARD_BATCH_NORM = torch.ops.sbp.shard_batch_norm.default  # batch_norm="local", op by op
     DROPOUT = (aten.native_dropout.default, aten.bernoulli_.float)
 
     def __init__(self, data_nd: tuple):
@@ -111,7 +113,7 @@ class _Check:
         rule = registry._resolve(func)
         if rule in self.SAME_LAYOUT:
             return
-        if func is not self.BATCH_NORM and func not in self.DROPOUT:
+        if func not in (self.BATCH_NORM, self.SHARD_BATCH_NORM) and func not in self.DROPOUT:
             self._fail(f"{func} has its own global semantics")
             return
         x = args[0]
@@ -119,7 +121,7 @@ class _Check:
             self.outside_modules = True
         if tuple(x.sbp) != self.data_nd:
             self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch")
-        elif func is self.BATCH_NORM and args[5]:
+        elif (func is self.BATCH_NORM and args[5]) or func is self.SHARD_BATCH_NORM:
             self.bn_counts.append(batch_norm._count(x))
         elif func in self.DROPOUT:
             self.dropouts += 1
@@ -254,28 +256,7 @@ def _local_forward(run: _Run, mode: _LocalOps):
 
     def replacement(m: torch.nn.Module, forward):
         if type(m).forward is torch.nn.modules.batchnorm._BatchNorm.forward:
-
-            def batch_norm(input):
-                m._check_input_dim(input)
-                factor = 0.0 if m.momentum is None else m.momentum
-                if m.training and m.track_running_stats and m.num_batches_tracked is not None:
-                    m.num_batches_tracked.add_(1)
-                    if m.momentum is None:  # a cumulative moving average
-                        factor = 1.0 / float(m.num_batches_tracked)
-                batch_stats = m.training or (m.running_mean is None and m.running_var is None)
-                keep = not m.training or m.track_running_stats
-                return run.batch_norm(
-                    input,
-                    m.running_mean if keep else None,
-                    m.running_var if keep else None,
-                    m.weight,
-                    m.bias,
-                    batch_stats,
-                    factor,
-                    m.eps,
-                )
-
-            return batch_norm
+            return lambda input: shard_batch_norm.batch_norm_forward(m, input, run.batch_norm)
         if type(m).forward is torch.nn.Dropout.forward:
             return lambda input: run.dropout(input, m.p, m.training, m.inplace)
         return _within(mode, forward)
@@ -347,6 +328,7 @@ class DataParallel:
         self._reducer: gradients.Reducer | None = None
         self._reducer_key: tuple | None = None
         self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
+        self.shard_batch_norms: list = []  # batch_norm="local": modules with the per-shard forward
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -376,7 +358,9 @@ class DataParallel:
 
     def _per_op(self, args, kwargs):
         self.last_path = "per-op"
-        return self._original(*args, **kwargs)
+        out = self._original(*args, **kwargs)
+        shard_batch_norm.sync_statistics(self.shard_batch_norms, self.placement)
+        return out
 
     def _layout_key(self, args, kwargs) -> tuple[tuple | None, tuple]:
         """A hashable key of the call's layout, or None when it is not a data-parallel call:
@@ -609,7 +593,10 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # torch.compile traces the module op by op
-            return original(self, *args, **kwargs)
+            out = original(self, *args, **kwargs)
+            fast = getattr(self, ATTR)
+            shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
+            return out
         return self.__dict__[ATTR](*args, **kwargs)
 
     module.__dict__[ATTR] = fast
@@ -637,6 +624,7 @@ def detach_fast_path(module: torch.nn.Module) -> None:
     fast = module.__dict__.pop(ATTR, None)
     if fast is not None:
         fast.settle_buffers()
+        shard_batch_norm.remove(fast.shard_batch_norms)
         module.__dict__.pop("forward", None)
 
 
@@ -671,6 +659,8 @@ def data_parallel(
         if batch_norm not in ("global", "local"):
             raise SbpError(f"batch_norm must be 'global' or 'local', got {batch_norm!r}")
         s.batch_norm = batch_norm
+        shard_batch_norm.remove(s.shard_batch_norms)
+        s.shard_batch_norms = shard_batch_norm.install(module) if batch_norm == "local" else []
     if fast is not None:
         s.enabled = bool(fast)
     if bucket_mb is not None:

@@ -16,6 +16,7 @@ from sbp.ops import (  # noqa: F401 - register rules
     optim,
     pointwise,
     reductions,
+    shard_batch_norm,
     traced,
     views,
 )

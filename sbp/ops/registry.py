@@ -74,6 +74,15 @@ class StrategyRule:
     post: Callable | None = None
 
 
+def schema_args(func, args: tuple, kwargs: dict) -> list:
+    """An op's arguments in schema order: keyword ones moved into place, absent ones None."""
+    names = [a.name for a in func._schema.arguments]
+    out = list(args) + [None] * (len(names) - len(args))
+    for i, name in enumerate(names[len(args) :], start=len(args)):
+        out[i] = kwargs.get(name)
+    return out
+
+
 def register(*ops: Any) -> Callable:
     """Decorator: `fn(func, args, kwargs)` handles the given aten ops (overloads or packets)."""
 

@@ -33,7 +33,7 @@ from sbp.ops.batch_norm import (
     native_batch_norm,
     wrap_native,
 )
-from sbp.ops.registry import rebox, register
+from sbp.ops.registry import rebox, register, schema_args
 from sbp.signature import broadcast
 
 aten = torch.ops.aten
@@ -85,7 +85,7 @@ def _updated(running, batch, momentum: float):
 @register(aten._native_batch_norm_legit.default)
 def batch_norm_legit(func, args, kwargs):
     """Train or eval with running statistics; updates them in place when training."""
-    every = _args(func, args, kwargs)
+    every = schema_args(func, args, kwargs)
     x, weight, bias, running_mean, running_var, training, momentum, eps = every
     if not training:
         return native_batch_norm(
@@ -103,14 +103,14 @@ def batch_norm_legit(func, args, kwargs):
 
 @register(aten._native_batch_norm_legit.no_stats)
 def batch_norm_legit_no_stats(func, args, kwargs):
-    x, weight, bias, training, momentum, eps = _args(func, args, kwargs)
+    x, weight, bias, training, momentum, eps = schema_args(func, args, kwargs)
     return native_batch_norm(_NATIVE, (x, weight, bias, None, None, training, momentum, eps), {})
 
 
 @register(aten._native_batch_norm_legit_functional.default)
 def batch_norm_legit_functional(func, args, kwargs):
     """Like `_native_batch_norm_legit`, returning the new running statistics instead."""
-    every = _args(func, args, kwargs)
+    every = schema_args(func, args, kwargs)
     x, weight, bias, running_mean, running_var, training, momentum, eps = every
     if not training:
         out, mean, invstd = native_batch_norm(
@@ -129,16 +129,7 @@ def batch_norm_legit_functional(func, args, kwargs):
 
 @register(aten._native_batch_norm_legit_no_training.default)
 def batch_norm_legit_no_training(func, args, kwargs):
-    x, weight, bias, running_mean, running_var, momentum, eps = _args(func, args, kwargs)
+    x, weight, bias, running_mean, running_var, momentum, eps = schema_args(func, args, kwargs)
     return native_batch_norm(
         _NATIVE, (x, weight, bias, running_mean, running_var, False, momentum, eps), {}
     )
-
-
-def _args(func, args, kwargs) -> list:
-    """Positional arguments in schema order (keyword ones moved into place)."""
-    names = [a.name for a in func._schema.arguments]
-    out = list(args) + [None] * (len(names) - len(args))
-    for i, name in enumerate(names[len(args) :], start=len(args)):
-        out[i] = kwargs.get(name)
-    return out

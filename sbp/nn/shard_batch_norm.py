@@ -1,0 +1,107 @@
+"""`batch_norm="local"` where the fast path does not run: op by op, and under torch.compile.
+
+The fast path computes per-shard BatchNorm on local tensors itself. When the module
+runs op by op instead (the fast path declined or is off), or Dynamo traces it, its
+BatchNorm modules get a forward of their own (`install`) that calls the per-shard op
+`sbp::shard_batch_norm` (`sbp.ops.shard_batch_norm`) instead of `F.batch_norm`, and
+after the model's forward the first rank's running statistics are copied to every
+rank in one collective (`sync_statistics`), as torch DDP broadcasts rank 0's buffers.
+So the three paths compute the same thing, and it equals torch DDP.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sbp.ops import shard_batch_norm  # noqa: F401 - the ops
+from sbp.placement import placement as Placement
+from sbp.tensor import GlobalTensor
+
+_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+
+
+def batch_norm_forward(m: _BatchNorm, input: torch.Tensor, batch_norm: Callable) -> torch.Tensor:
+    """torch's `_BatchNorm.forward` (torch 2.x) with `batch_norm(input, running_mean,
+    running_var, weight, bias, training, momentum, eps)` called in place of `F.batch_norm`."""
+    m._check_input_dim(input)
+    factor = 0.0 if m.momentum is None else m.momentum
+    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+        m.num_batches_tracked.add_(1)
+        if m.momentum is None:  # a cumulative moving average
+            factor = 1.0 / float(m.num_batches_tracked)
+    batch_stats = m.training or (m.running_mean is None and m.running_var is None)
+    keep = not m.training or m.track_running_stats
+    return batch_norm(
+        input,
+        m.running_mean if keep else None,
+        m.running_var if keep else None,
+        m.weight,
+        m.bias,
+        batch_stats,
+        factor,
+        m.eps,
+    )
+
+
+def per_shard(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    """`F.batch_norm` with each rank's own statistics in train mode on a global input."""
+    if not training or not isinstance(input, GlobalTensor):
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    out, _, _, new_mean, new_var = torch.ops.sbp.shard_batch_norm(
+        input, weight, bias, running_mean, running_var, momentum, eps
+    )
+    with torch.no_grad():
+        for buffer, new in ((running_mean, new_mean), (running_var, new_var)):
+            if buffer is not None:
+                buffer.copy_(new)
+    return out
+
+
+def _forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    return batch_norm_forward(m, input, per_shard)
+
+
+def _modules(module: torch.nn.Module) -> list[_BatchNorm]:
+    """BatchNorm submodules with torch's own forward (BatchNorm1d/2d/3d, not SyncBatchNorm)."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward
+    ]
+
+
+def install(module: torch.nn.Module) -> list[_BatchNorm]:
+    """Give the BatchNorm submodules the per-shard forward; returns them."""
+    modules = _modules(module)
+    for m in modules:
+        m.__dict__["forward"] = types.MethodType(_forward, m)
+    return modules
+
+
+def remove(modules: list[_BatchNorm]) -> None:
+    for m in modules:
+        own = m.__dict__.get("forward")
+        if isinstance(own, types.MethodType) and own.__func__ is _forward:
+            del m.__dict__["forward"]
+
+
+def sync_statistics(modules: list[_BatchNorm], placement: Placement) -> None:
+    """After a forward: every rank takes the first rank's running statistics (of the modules
+    in train mode), in one collective. Traceable by Dynamo: plain attribute reads only."""
+    if placement.size == 1:
+        return
+    stats = [
+        t
+        for m in modules
+        if m.training and m.track_running_stats
+        for t in (m.running_mean, m.running_var)
+        if isinstance(t, GlobalTensor)
+    ]
+    if stats:
+        with torch.no_grad():
+            for t, new in zip(stats, torch.ops.sbp.first_rank_values(stats), strict=True):
+                t.copy_(new)
