@@ -279,8 +279,8 @@ def test_no_collective_is_dropped_from_the_graph(pool2):
         _close([loss], [ref.item()])
         _close(grads, ref_grads)
         forward = graphs[0]
-        # nll_loss (total weight) and BatchNorm (mean, variance; grads in backward)
-        assert forward.count(gloo) + forward.count(small) >= 3
+        # nll_loss (total weight) and BatchNorm (its sums and shift; grads in backward)
+        assert forward.count(gloo) + forward.count(small) >= 2
         assert forward.count(wait) == forward.count(gloo)
         assert graphs[1].count(gloo) + graphs[1].count(small) >= 1
     for loss, _, graphs in pool2.run(_dropped_collective, "convbn", True):

@@ -199,7 +199,7 @@ class _Run:
             momentum if momentum is not None else 0.0,
             eps,
             count,
-            batch_norm.group_all_reduce(group),
+            batch_norm.GroupSum(group),
         )
 
     def dropout(self, input, p=0.5, training=True, inplace=False):

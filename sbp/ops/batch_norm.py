@@ -11,13 +11,13 @@ fast path (`sbp.nn.data_parallel`), which runs whole modules on local tensors:
 `all_reduce` sums a tensor over the ranks that hold parts of the batch; the
 count is the logical number of elements per channel. Nothing here reads a
 buffer after writing it: the shift is copied before the running statistics are
-updated (a traced graph may replay the forward).
+updated, and the mean is computed from the all-reduce's result alone (a traced
+graph may recompute it in backward, after the buffers were updated).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -27,7 +27,6 @@ from sbp.ops.registry import rebox, register
 from sbp.signature import broadcast, splits_to_partials
 
 aten = torch.ops.aten
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -85,7 +84,7 @@ def forward(
     momentum: float,
     eps: float,
     count: int,
-    all_reduce: AllReduce,
+    all_reduce: GroupSum,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train-mode BatchNorm of the local part `x` with the logical batch's statistics.
 
@@ -95,9 +94,15 @@ def forward(
     view = (1, x.shape[1]) + (1,) * (x.dim() - 2)
     if running_mean is not None:
         shift = running_mean.to(acc, copy=True)
-        moments = all_reduce(_moments(x - shift.to(x.dtype).view(view), acc)).div_(count)
-        mean_d, square_d = moments
-        mean = mean_d + shift
+        sums = _moments(x - shift.to(x.dtype).view(view), acc)
+        # The shift travels in the all-reduce too (the first rank's, zeros elsewhere: the
+        # same value, exactly), so the mean depends on the collective's result and never on
+        # the buffer: a traced backward that recomputes the mean cannot read the buffer
+        # after its update.
+        lead = shift if all_reduce.lead else torch.zeros_like(shift)
+        summed = all_reduce(torch.cat([sums, lead.unsqueeze(0)]))
+        mean_d, square_d = summed[:2].div_(count)
+        mean = mean_d + summed[2]
         var = torch.addcmul(square_d, mean_d, mean_d, value=-1).clamp_min_(0)
     else:  # nothing equal on every rank to shift by: two passes
         mean = all_reduce(_channel_sums(x, acc)) / count
@@ -124,7 +129,7 @@ def backward(
     mean: torch.Tensor,
     invstd: torch.Tensor,
     count: int,
-    all_reduce: AllReduce,
+    all_reduce: GroupSum,
     input_grad: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Train-mode BatchNorm backward of the local part: (dx, local sums, logical sums).
@@ -200,8 +205,16 @@ class LogicalBatchNorm(torch.autograd.Function):
         return dx, gw, gb, None, None, None, None, None, None
 
 
-def group_all_reduce(ranks: tuple[int, ...]) -> AllReduce:
-    return lambda t: comm.all_reduce(t, "sum", ranks)
+class GroupSum:
+    """Sums a tensor over `ranks` (the ranks holding parts of one batch); `lead`: this rank is
+    their first, the one that contributes values every rank holds."""
+
+    def __init__(self, ranks: tuple[int, ...]):
+        self.ranks = ranks
+        self.lead = env.get_rank() == ranks[0]
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(t, "sum", self.ranks)
 
 
 def split_group(placement, nd, rank: int) -> tuple[int, ...]:
@@ -276,7 +289,7 @@ def native_batch_norm(func, args, kwargs):
     w, b, rm, rv = _locals((weight, bias, running_mean, running_var), len(nd))
     if not training or _parts(placement, nd) == 1:
         return wrap_native(func(x._local, w, b, rm, rv, training, momentum, eps), x, stat_spec)
-    reduce = group_all_reduce(split_group(placement, nd, me))
+    reduce = GroupSum(split_group(placement, nd, me))
     out, mean, invstd = forward(x._local, w, b, rm, rv, momentum, eps, _count(x), reduce)
     return (
         GlobalTensor(out, x._spec),
@@ -311,7 +324,7 @@ def native_batch_norm_backward(func, args, kwargs):
             outs = list(func(grad_out._local, x._local, w, rm, rv, mean, invstd, train, eps, mask))
         else:
             dy = grad_out._local.contiguous()
-            reduce = group_all_reduce(split_group(placement, nd, me))
+            reduce = GroupSum(split_group(placement, nd, me))
             dx, _, sums = backward(dy, x._local, w, mean, invstd, _count(x), reduce, mask[0])
             outs = [
                 dx,

@@ -7,19 +7,19 @@ Each rule delegates to the eager rule `sbp.ops.nn.native_batch_norm`, so a
 traced BatchNorm computes the same logical statistics.
 
 Under AOT autograd, a rule must not read a buffer that the same op mutates in
-place: the running statistics are graph inputs, their update is copied back
-into them after the forward graph, and the backward graph may read the input
-again (saved or recomputed) and then sees the updated value. So in training,
-the statistics come from the batch alone (the running statistics are not
-passed to the eager rule), and the running statistics are updated afterwards
-from the returned batch mean and 1/std, with global ops that keep their layout.
+place after its update: the running statistics are graph inputs, their update is
+copied back into them after the forward graph, and the backward graph may read
+the input again (saved or recomputed) and then sees the updated value. So in
+training the eager rule gets copies of the running statistics, shifts by the
+copy of the mean and updates the copies, and its mean comes from its all-reduce's
+result alone (`sbp.ops.batch_norm.forward`); the copies are then written into the
+buffers (or returned, by the functional variant). One all-reduce per layer in
+forward, as in eager mode, with the same numbers.
 Where no rank's batch is split (a world of one), there is nothing to sum, and torch's
 own op runs on the local tensors, as it does in plain torch's graph.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -40,15 +40,15 @@ aten = torch.ops.aten
 _NATIVE = aten.native_batch_norm.default
 
 
-def _train(x, weight, bias, momentum: float, eps: float):
-    """(out, batch mean, batch 1/std, unbiased batch variance) without reading any buffer."""
+def _train(x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+    """(out, batch mean, batch 1/std, new running mean, new running variance): the eager rule
+    on copies of the running statistics, which it shifts by and updates; the buffers
+    themselves are not written here."""
+    new_mean, new_var = running_mean.clone(), running_var.clone()
     out, mean, invstd = native_batch_norm(
-        _NATIVE, (x, weight, bias, None, None, True, momentum, eps), {}
+        _NATIVE, (x, weight, bias, new_mean, new_var, True, momentum, eps), {}
     )
-    n = math.prod(x.shape[d] for d in range(x.dim()) if d != 1)
-    with torch.no_grad():
-        unbiased = (invstd.pow(-2) - eps) * (n / max(n - 1, 1))
-    return out, mean, invstd, unbiased
+    return out, mean, invstd, new_mean, new_var
 
 
 def _native_on_locals(func, args: list):
@@ -74,14 +74,6 @@ def _native_on_locals(func, args: list):
     return wrap_native(outs, x, stat_spec, (running_mean, running_var)[: len(outs) - 3])
 
 
-def _updated(running, batch, momentum: float):
-    """momentum-weighted running statistic, as a new global tensor (no mutation)."""
-    batch = batch.detach()
-    if batch.dtype != running.dtype:
-        batch = batch.to(running.dtype)
-    return running * (1 - momentum) + batch * momentum
-
-
 @register(aten._native_batch_norm_legit.default)
 def batch_norm_legit(func, args, kwargs):
     """Train or eval with running statistics; updates them in place when training."""
@@ -94,10 +86,12 @@ def batch_norm_legit(func, args, kwargs):
     whole = _native_on_locals(func, every)
     if whole is not None:
         return whole
-    out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
+    out, mean, invstd, new_mean, new_var = _train(
+        x, weight, bias, running_mean, running_var, momentum, eps
+    )
     with torch.no_grad():
-        running_mean.copy_(_updated(running_mean, mean, momentum))
-        running_var.copy_(_updated(running_var, unbiased, momentum))
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
     return out, mean, invstd
 
 
@@ -120,11 +114,7 @@ def batch_norm_legit_functional(func, args, kwargs):
     whole = _native_on_locals(func, every)
     if whole is not None:
         return whole
-    out, mean, invstd, unbiased = _train(x, weight, bias, momentum, eps)
-    with torch.no_grad():
-        new_mean = _updated(running_mean, mean, momentum)
-        new_var = _updated(running_var, unbiased, momentum)
-    return out, mean, invstd, new_mean, new_var
+    return _train(x, weight, bias, running_mean, running_var, momentum, eps)
 
 
 @register(aten._native_batch_norm_legit_no_training.default)
