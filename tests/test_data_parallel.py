@@ -401,6 +401,33 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
             assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
 
 
+def test_batch_norm_mode_switches_back(pool2):
+    """batch_norm="local" gives the BatchNorm modules the per-shard forward; "global" gives
+    them torch's back: op by op, the logical batch's statistics again, as one process."""
+    x, _ = _data(n=8, steps=1, shape=(3, 8, 8), classes=4)[0]
+
+    def run():
+        import sbp.nn
+
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = ConvBN().double().to_global(P, B)
+        sbp.nn.data_parallel(model, fast=False, batch_norm="local")
+        installed = "forward" in model.bn.__dict__
+        sbp.nn.data_parallel(model, batch_norm="global")
+        out = model(_global(x, P))
+        still = "forward" in model.bn.__dict__
+        return installed, still, out.full_tensor(), model.bn.running_var.to_local()
+
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    want = ref(x)
+    for installed, still, out, running_var in pool2.run(run):
+        assert installed and not still
+        assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(running_var, ref.bn.running_var, rtol=1e-12, atol=1e-12)
+
+
 def test_per_shard_statistics_reach_every_rank(pool2):
     """The first rank's running statistics are copied to the others while backward runs:
     every rank holds them after backward, state_dict gives them after a forward alone, and
