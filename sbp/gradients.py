@@ -19,7 +19,7 @@ import torch
 from sbp import comm, env
 
 BUCKET_BYTES = 25 * 2**20
-_pending: list = []
+_pending: dict = {}  # id(grad) -> (weak reference, target nd_sbp), in arrival order
 
 
 def post_accumulate_hook(leaf: torch.Tensor) -> None:
@@ -33,10 +33,17 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     if grad._spec == target:
         return
     if _bucketable(grad._spec, target):
+        if target.placement.size == 1:  # a sum over one rank: only the label changes
+            grad._spec = grad._spec._replace(nd_sbp=target.nd_sbp)
+            return
         if not _pending:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
-        if all(ref() is not grad for ref, _ in _pending):
-            _pending.append((weakref.ref(grad), target.nd_sbp))
+        known = _pending.get(id(grad))
+        if known is None or known[0]() is not grad:
+            # (an id freed by a dead gradient may be reused: the new one goes last, as it
+            # would on a rank where the id differs, so buckets keep the same order everywhere)
+            _pending.pop(id(grad), None)
+            _pending[id(grad)] = (weakref.ref(grad), target.nd_sbp)
         return
     grad._local, grad._spec = box(grad._local, grad._spec, target), target
 
@@ -53,7 +60,9 @@ def flush() -> None:
 
     Only the dims where the leaf is broadcast are reduced: a partial leaf keeps a partial grad.
     """
-    grads = [(g, done) for g, done in ((ref(), done) for ref, done in _pending) if g is not None]
+    grads = [
+        (g, done) for g, done in ((r(), done) for r, done in _pending.values()) if g is not None
+    ]
     _pending.clear()
     groups: dict = {}
     for g, done in grads:
