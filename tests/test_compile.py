@@ -347,13 +347,17 @@ def test_gradients_in_other_layouts_than_the_outputs(pool2):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_compiled_mobilenet_v2_data_parallel_equals_one_process(request, world):
-    """mobilenet_v2, fullgraph, logical BatchNorm over the split batch (52 BatchNorms)."""
+    """mobilenet_v2, fullgraph, logical BatchNorm over the split batch (52 BatchNorms).
+
+    Three steps of mobilenet_v2 on 10 images are ill-conditioned: scaling the input by
+    1 + 1e-15 moves one-process torch's own losses, gradients and parameters by 1.1e-8
+    (relative to their size), so rounding alone differs by ~5e-8 here: 1e-6, not 1e-10."""
     pool = request.getfixturevalue(f"pool{world}")
     ref = _train(_model("mobilenet_v2"), _batches("mobilenet_v2"), _cross_entropy, lambda t: t)
     for eager, compiled, frames in pool.run(_data_parallel, "mobilenet_v2", timeout=1800):
         assert frames == 1
-        _close(eager, ref, 1e-9)
-        _close(compiled, ref, 1e-9)
+        _close(eager, ref, 1e-6)
+        _close(compiled, ref, 1e-6)
 
 
 def _add_partial_into(w, x):

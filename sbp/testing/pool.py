@@ -41,6 +41,22 @@ class SpmdError(AssertionError):
         self.exceptions = exceptions
 
 
+def _compact(result: Any) -> Any:
+    """Plain tensors that view part of a larger storage are copied before pickling: pickle
+    writes a view's whole storage, once per view (158 gradients that are views of one 9 MB
+    gradient bucket, over a few steps, came to gigabytes)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def own(t):
+        if type(t) is torch.Tensor and t.device.type != "meta":
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                return t.clone()
+        return t
+
+    return tree_map(own, result)
+
+
 def _worker_main(
     rank: int, world: int, port: int, conn, sys_path: list[str], log: str, comm_timeout: float
 ) -> None:
@@ -81,7 +97,7 @@ def _worker_main(
             return
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
-            result = ("ok", cloudpickle.dumps(fn(*args, **kwargs)))
+            result = ("ok", cloudpickle.dumps(_compact(fn(*args, **kwargs))))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the test
             try:
                 exc = cloudpickle.dumps(e)
