@@ -428,6 +428,34 @@ def test_batch_norm_mode_switches_back(pool2):
         assert torch.allclose(running_var, ref.bn.running_var, rtol=1e-12, atol=1e-12)
 
 
+def test_compiled_model_follows_a_change_of_batch_norm_mode(pool2):
+    """A compiled model recompiles when its BatchNorm mode changes: per shard, then logical,
+    each equal to its reference (torch DDP's per-shard numbers; one process)."""
+    x, _ = _data(n=8, steps=1, shape=(3, 8, 8), classes=4)[0]
+
+    def run():
+        import sbp.nn
+
+        P = sbp.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = ConvBN().double().to_global(P, B)
+        compiled = torch.compile(model, backend="aot_eager")
+        sbp.nn.data_parallel(model, batch_norm="local")
+        local = compiled(_global(x, P)).to_local()
+        sbp.nn.data_parallel(model, batch_norm="global")
+        logical = compiled(_global(x, P)).full_tensor()
+        torch._dynamo.reset()
+        return local, logical
+
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    for rank, (local, logical) in enumerate(pool2.run(run)):
+        part = ConvBN().double()
+        part.load_state_dict(ref.state_dict())
+        assert torch.allclose(local, part(x[4 * rank : 4 * rank + 4]), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(logical, ref(x), rtol=1e-12, atol=1e-12)
+
+
 def test_per_shard_statistics_reach_every_rank(pool2):
     """The first rank's running statistics are copied to the others while backward runs:
     every rank holds them after backward, state_dict gives them after a forward alone, and
