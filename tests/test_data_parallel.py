@@ -456,6 +456,48 @@ def test_compiled_model_follows_a_change_of_batch_norm_mode(pool2):
         assert torch.allclose(logical, ref(x), rtol=1e-12, atol=1e-12)
 
 
+def _per_shard_with_an_empty_shard(path):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1, 2, 3])
+    x, y = _data(n=3, steps=1, shape=(3, 8, 8), classes=4)[0]  # rank 3's part is empty
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    sbp.nn.data_parallel(model, fast=path == "fast", batch_norm="local")
+    run = torch.compile(model, backend="aot_eager") if path == "compiled" else model
+    out = run(_global(x, P))
+    F.cross_entropy(out, _global(y, P)).backward()
+    grad = model.bn.weight.grad.to_local()
+    return out.to_local().detach(), model.bn.running_mean.to_local(), grad
+
+
+@pytest.mark.parametrize("path", ["fast", "per-op", "compiled"])
+def test_per_shard_batch_norm_with_an_empty_shard(pool4, path):
+    """An uneven batch leaves a rank nothing: its shard has no statistics and contributes no
+    gradient; the others normalise theirs, every rank ends with the first rank's running
+    statistics, and the weight gradient is that of the logical loss."""
+    x, y = _data(n=3, steps=1, shape=(3, 8, 8), classes=4)[0]
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    parts, expected_outs = [], []
+    for r in range(3):  # one sample each; the loss is the mean over all three
+        part = ConvBN().double()
+        part.load_state_dict(ref.state_dict())
+        out = part(x[r : r + 1])
+        (F.cross_entropy(out, y[r : r + 1]) / 3).backward()
+        parts.append(part)
+        expected_outs.append(out.detach())
+    want_grad = sum(p.bn.weight.grad for p in parts)
+    results = pool4.run(_per_shard_with_an_empty_shard, path, timeout=300)
+    for rank, (out, running_mean, grad) in enumerate(results):
+        if rank < 3:
+            assert torch.allclose(out, expected_outs[rank], rtol=1e-12, atol=1e-12)
+        else:
+            assert out.shape[0] == 0
+        assert torch.allclose(running_mean, parts[0].bn.running_mean, rtol=1e-12, atol=1e-14)
+        assert torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-12)
+
+
 def test_per_shard_statistics_reach_every_rank(pool2):
     """The first rank's running statistics are copied to the others while backward runs:
     every rank holds them after backward, state_dict gives them after a forward alone, and

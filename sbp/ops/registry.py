@@ -428,7 +428,10 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         leaves = (
             None
             if inplace or d.empty_here is None
-            else [None if t is None else t.clone() for t in d.empty_here]
+            else [  # (made afresh, not cloned: while tracing they must be fake tensors)
+                None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                for t in d.empty_here
+            ]
         )
         if leaves is None:
             largs, lkwargs = unflatten(local_flat, tree)
