@@ -498,6 +498,27 @@ def test_per_shard_batch_norm_with_an_empty_shard(pool4, path):
         assert torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-12)
 
 
+def _logical_compiled_with_an_empty_shard():
+    P = sbp.placement("cpu", [0, 1, 2, 3])
+    x, y = _data(n=3, steps=1, shape=(3, 8, 8), classes=4)[0]
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    out = torch.compile(model, backend="aot_eager")(_global(x, P))
+    F.cross_entropy(out, _global(y, P)).backward()
+    return out.full_tensor().detach(), [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_logical_batch_norm_compiled_with_an_empty_shard(pool4):
+    x, y = _data(n=3, steps=1, shape=(3, 8, 8), classes=4)[0]
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    want = ref(x)
+    F.cross_entropy(want, y).backward()
+    for out, grads in pool4.run(_logical_compiled_with_an_empty_shard, timeout=300):
+        assert torch.allclose(out, want.detach(), rtol=1e-12, atol=1e-12)
+        assert _rel(grads, [p.grad for p in ref.parameters()]) < 1e-12
+
+
 def test_per_shard_statistics_reach_every_rank(pool2):
     """The first rank's running statistics are copied to the others while backward runs:
     every rank holds them after backward, state_dict gives them after a forward alone, and
