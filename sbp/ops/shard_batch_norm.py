@@ -22,13 +22,11 @@ statistics zeros and its running statistics unchanged.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from sbp import env
 from sbp.layout import GlobalSpec
-from sbp.ops.batch_norm import _acc, _bn_layout, _locals
+from sbp.ops.batch_norm import _acc, _bn_layout, _locals, _parts
 from sbp.ops.registry import rebox, register, schema_args
 from sbp.signature import broadcast, split, splits_to_partials
 
@@ -144,10 +142,9 @@ shard_batch_norm.register_autograd(_backward, setup_context=_save)
 
 def _stat_spec(x, stat: Tensor) -> GlobalSpec:
     """Every rank's statistics side by side: split where the batch is split."""
-    nd = x._spec.nd_sbp
-    parts = math.prod(n for n, s in zip(x._spec.placement.hierarchy, nd, strict=True) if s.is_split)
+    placement, nd = x._spec.placement, x._spec.nd_sbp
     stat_nd = tuple(split(0) if s.is_split else broadcast for s in nd)
-    return GlobalSpec(x._spec.placement, stat_nd, (parts * stat.shape[0],), stat.dtype)
+    return GlobalSpec(placement, stat_nd, (_parts(placement, nd) * stat.shape[0],), stat.dtype)
 
 
 def _outside(specs) -> tuple:
