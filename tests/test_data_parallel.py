@@ -519,6 +519,40 @@ def test_logical_batch_norm_compiled_with_an_empty_shard(pool4):
         assert _rel(grads, [p.grad for p in ref.parameters()]) < 1e-12
 
 
+def _per_shard_on_two_of_four(path):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    x, _ = _data(n=8, steps=1, shape=(3, 8, 8), classes=4)[0]
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    sbp.nn.data_parallel(model, fast=False, batch_norm="local")
+    run = torch.compile(model, backend="aot_eager") if path == "compiled" else model
+    out = run(_global(x, P))
+    inside = sbp.env.get_rank() in P
+    return (out.to_local().detach() if inside else None), model.bn.running_mean.to_local()
+
+
+@pytest.mark.parametrize("path", ["per-op", "compiled"])
+def test_per_shard_batch_norm_with_ranks_outside_the_placement(pool4, path):
+    """Ranks 2 and 3 hold nothing of a placement of ranks 0 and 1: they take no part in the
+    statistics' broadcast, and nobody waits for them."""
+    x, _ = _data(n=8, steps=1, shape=(3, 8, 8), classes=4)[0]
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    first = None
+    for rank, (out, running_mean) in enumerate(pool4.run(_per_shard_on_two_of_four, path)):
+        if rank < 2:
+            part = ConvBN().double()
+            part.load_state_dict(state)
+            assert torch.allclose(out, part(x[4 * rank : 4 * rank + 4]), rtol=1e-12, atol=1e-12)
+            first = part.bn.running_mean if rank == 0 else first
+            assert torch.allclose(running_mean, first, rtol=1e-12, atol=1e-14)
+        else:
+            assert out is None and running_mean.numel() == 0
+
+
 def test_per_shard_statistics_reach_every_rank(pool2):
     """The first rank's running statistics are copied to the others while backward runs:
     every rank holds them after backward, state_dict gives them after a forward alone, and
