@@ -49,6 +49,22 @@ def _bn_eval(x, w, b):
     return F.batch_norm(x, rm, rv, w, b, training=False)
 
 
+def _bn_vendor(op, training: bool):
+    """cuDNN's or MIOpen's BatchNorm, which torch calls for a tensor on the GPU, called
+    directly on global tensors; the reference is torch's BatchNorm on the CPU."""
+
+    def fn(x, w, b):
+        rm = torch.linspace(-1, 1, x.shape[1], dtype=x.dtype)
+        rv = torch.linspace(0.5, 2, x.shape[1], dtype=x.dtype)
+        if not isinstance(x, sbp.GlobalTensor):
+            return F.batch_norm(x, rm, rv, w, b, training=training, momentum=0.3), rm, rv
+        rm = sbp.tensor(rm, x.placement, (B,) * x.placement.ndim)
+        rv = sbp.tensor(rv, x.placement, (B,) * x.placement.ndim)
+        return op(x, w, b, rm, rv, training, 0.3, 1e-5)[0], rm, rv
+
+    return fn
+
+
 def _inplace_add(x, y):
     z = x * 1.0
     z.add_(y)
@@ -190,6 +206,18 @@ ROWS = {
         two_d=[((S0, S0), (B, B), (B, B)), ((S0, sbp.split(3)), (B, B), (B, B))],
     ),
     "batch_norm_train_1d": Row([(3, 5), (5,), (5,)], _bn_train, [(S0, B, B)]),
+    "batch_norm_train_cudnn": Row(
+        [(7, 3, 4, 4), (3,), (3,)],
+        _bn_vendor(torch.ops.aten.cudnn_batch_norm, True),
+        [(S0, B, B), (P, B, B), (S1, B, B)],
+        two_d=[((S0, S0), (B, B), (B, B))],
+    ),
+    "batch_norm_eval_cudnn": Row(
+        [(7, 3, 4, 4), (3,), (3,)], _bn_vendor(torch.ops.aten.cudnn_batch_norm, False), [(S0, B, B)]
+    ),
+    "batch_norm_train_miopen": Row(
+        [(3, 5, 2, 2), (5,), (5,)], _bn_vendor(torch.ops.aten.miopen_batch_norm, True), [(S0, B, B)]
+    ),
     "batch_norm_eval": Row([(7, 3, 4, 4), (3,), (3,)], _bn_eval, [(S0, B, B), (B, B, B)]),
     "pooling": Row(
         [(5, 3, 6, 6)],

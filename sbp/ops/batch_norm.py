@@ -335,3 +335,30 @@ def native_batch_norm_backward(func, args, kwargs):
     return tuple(
         GlobalTensor(o, s) if o is not None else None for o, s in zip(outs, specs, strict=True)
     )
+
+
+@register(aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default)
+def vendor_batch_norm(func, args, kwargs):
+    """cuDNN's (and MIOpen's) BatchNorm, which torch picks for a tensor on the GPU: the
+    native rule's result (torch's native kernels run on the locals), plus cuDNN's reserve
+    buffer, left empty since the backward below does not read it."""
+    from sbp.tensor import GlobalTensor
+
+    out, mean, invstd = native_batch_norm(aten.native_batch_norm.default, args, kwargs)
+    if func is aten.miopen_batch_norm.default:
+        return out, mean, invstd
+    reserve = torch.empty(0, dtype=torch.uint8, device=out._local.device)
+    placement = out._spec.placement
+    spec = GlobalSpec(placement, (broadcast,) * placement.ndim, (0,), torch.uint8)
+    return out, mean, invstd, GlobalTensor(reserve, spec)
+
+
+@register(aten.cudnn_batch_norm_backward.default, aten.miopen_batch_norm_backward.default)
+def vendor_batch_norm_backward(func, args, kwargs):
+    """The train-mode backward of `vendor_batch_norm` (autograd calls these only in train
+    mode): the native rule's, with the saved mean and inverse std it gave."""
+    x, grad_out, weight, running_mean, running_var, save_mean, save_invstd, eps = args[:8]
+    native_args = (grad_out, x, weight, running_mean, running_var, save_mean, save_invstd)
+    return native_batch_norm_backward(
+        aten.native_batch_norm_backward.default, (*native_args, True, eps, [True] * 3), {}
+    )
