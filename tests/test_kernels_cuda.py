@@ -15,6 +15,7 @@ import importlib.util
 import os
 import socket
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -61,30 +62,55 @@ def test_op_rules_on_one_gpu():
     torch.testing.assert_close(out.full_tensor(), want)
 
 
-def test_training_steps_on_one_gpu():
+def _train_on_one_gpu(data_parallel: str | None, steps: int = 3):
+    """mobilenet_v2 steps on global tensors and on plain torch (float64, same GPU); returns
+    the fast path's route per step and the sbp warnings raised."""
     torchvision = pytest.importorskip("torchvision")
     P = _placement()
     torch.manual_seed(0)
     model = torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0).double().cuda()
     ref = copy.deepcopy(model)
     gmodel = model.to_global(P, B)
+    if data_parallel is not None:
+        sbp.nn.data_parallel(gmodel, batch_norm=data_parallel)
     opt = torch.optim.SGD(gmodel.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(6, 3, 32, 32, generator=g, dtype=torch.float64).cuda()
-        y = torch.randint(0, 10, (6,), generator=g).cuda()
-        loss = F.cross_entropy(gmodel(sbp.to_global(x, P, S0)), sbp.to_global(y, P, S0))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_loss = F.cross_entropy(ref(x), y)
-        ref_opt.zero_grad()
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss.full_tensor(), ref_loss)
+    paths = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            x = torch.randn(6, 3, 32, 32, generator=g, dtype=torch.float64).cuda()
+            y = torch.randint(0, 10, (6,), generator=g).cuda()
+            loss = F.cross_entropy(gmodel(sbp.to_global(x, P, S0)), sbp.to_global(y, P, S0))
+            if data_parallel is not None:
+                paths.append(sbp.nn.fast_path.state(gmodel).last_path)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+            torch.testing.assert_close(loss.full_tensor(), ref_loss)
     for p, q in zip(gmodel.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q)
+    for a, b in zip(gmodel.buffers(), ref.buffers(), strict=True):
+        torch.testing.assert_close(a.full_tensor(), b)
+    return paths, [str(w.message) for w in caught if str(w.message).startswith("sbp:")]
+
+
+def test_training_steps_on_one_gpu():
+    """Op by op: torch picks cuDNN's BatchNorm for a GPU tensor, and it has a rule."""
+    _, sbp_warnings = _train_on_one_gpu(None)
+    assert sbp_warnings == []
+
+
+@pytest.mark.parametrize("batch_norm", ["global", "local"])
+def test_data_parallel_fast_path_on_one_gpu(batch_norm):
+    paths, sbp_warnings = _train_on_one_gpu(batch_norm)
+    assert sbp_warnings == []
+    assert paths == ["fast"] * 3
 
 
 # ---------------------------------------------------------------- two ranks on one GPU

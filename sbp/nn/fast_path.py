@@ -75,7 +75,12 @@ class _Check:
     """Watches every op of the checking pass (see `sbp.ops.registry.observers`)."""
 
     SAME_LAYOUT = (same_layout, like)
-    BATCH_NORM = aten.native_batch_norm.default
+    # torch picks cuDNN's (MIOpen's) BatchNorm for a tensor on the GPU
+    BATCH_NORMS = (
+        aten.native_batch_norm.default,
+        aten.cudnn_batch_norm.default,
+        aten.miopen_batch_norm.default,
+    )
     SHARD_BATCH_NORM = torch.ops.sbp.shard_batch_norm.default  # batch_norm="local", op by op
     DROPOUT = (aten.native_dropout.default, aten.bernoulli_.float)
 
@@ -113,7 +118,11 @@ class _Check:
         rule = registry._resolve(func)
         if rule in self.SAME_LAYOUT:
             return
-        if func not in (self.BATCH_NORM, self.SHARD_BATCH_NORM) and func not in self.DROPOUT:
+        if (
+            func not in self.BATCH_NORMS
+            and func is not self.SHARD_BATCH_NORM
+            and func not in self.DROPOUT
+        ):
             self._fail(f"{func} has its own global semantics")
             return
         x = args[0]
@@ -121,7 +130,7 @@ class _Check:
             self.outside_modules = True
         if tuple(x.sbp) != self.data_nd:
             self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch")
-        elif (func is self.BATCH_NORM and args[5]) or func is self.SHARD_BATCH_NORM:
+        elif (func in self.BATCH_NORMS and args[5]) or func is self.SHARD_BATCH_NORM:
             self.bn_counts.append(batch_norm._count(x))
         elif func in self.DROPOUT:
             self.dropouts += 1
@@ -222,7 +231,8 @@ class _Run:
         return input * mask * (1.0 / (1 - p))
 
 
-SPECIAL_MODULES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
+BATCH_NORMS = torch.nn.modules.batchnorm._BatchNorm
+SPECIAL_MODULES = (BATCH_NORMS, torch.nn.modules.dropout._DropoutNd)
 
 
 @contextlib.contextmanager
@@ -324,6 +334,7 @@ class DataParallel:
         # (the submodule's _parameters or _buffers, name, tensor, is_param, spec)
         self._slots: list | None = None
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
+        self._dropouts: list[torch.nn.Module] = []  # the dropout ones
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reducer: gradients.Reducer | None = None
         self._reducer_key: tuple | None = None
@@ -401,6 +412,7 @@ class DataParallel:
         allb = (broadcast,) * self.placement.ndim
         self._slots = []
         self._special = [m for m in self._module_ref.modules() if isinstance(m, SPECIAL_MODULES)]
+        self._dropouts = [m for m in self._special if not isinstance(m, BATCH_NORMS)]
         for sub in self._module_ref.modules():
             for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
                 for name, t in table.items():
@@ -496,7 +508,10 @@ class DataParallel:
         if not self._module_ref.training:
             local_ops = contextlib.nullcontext()
         elif layout.in_modules:
-            local_ops = _forwards_replaced(self._special, _local_forward(run, _LocalOps(run)))
+            # A batch in one part: each BatchNorm module's own forward is the logical one
+            special = self._special if len(run.group) > 1 else self._dropouts
+            local_ops = _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
+            run.bn_calls = len(layout.bn_counts) if special is self._dropouts else 0
         else:
             local_ops = _LocalOps(run)
         with self._swapped(leaves), local_constants.suspended(), local_ops:
