@@ -106,19 +106,22 @@ def test_each_module_compiles_alone():
 
 
 class Backend:
-    """Where the kernels run: `host` (g++ build, every CI machine) or `cuda` (CuPy on a GPU,
-    skipped without one). Both are compared with the torch implementation."""
+    """Where the kernels run: `host` (g++ build, every CI machine; `host-wide` takes the
+    pack and unpack kernels' 64-bit index path, which the GPU takes for tensors past 2^31
+    words) or `cuda` (CuPy on a GPU, skipped without one). All are compared with the torch
+    implementation."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        if name == "host":
+        if name.startswith("host"):
             from sbp.kernels import host_launcher
 
             if host_launcher.compiler() is None:
                 pytest.skip("no C++ compiler")
-            host_launcher.library()  # build (or load) once, outside hypothesis' timing
+            wide = name == "host-wide"
+            host_launcher.library(wide)  # build (or load) once, outside hypothesis' timing
             self.device = torch.device("cpu")
-            self._make = host_launcher.HostLauncher
+            self._make = lambda threads, blocks: host_launcher.HostLauncher(threads, blocks, wide)
         else:
             if not torch.cuda.is_available():
                 pytest.skip("no GPU")
@@ -132,7 +135,7 @@ class Backend:
         return self._make(threads, blocks)
 
 
-@pytest.fixture(scope="module", params=["host", "cuda"])
+@pytest.fixture(scope="module", params=["host", "host-wide", "cuda"])
 def backend(request):
     return Backend(request.param)
 

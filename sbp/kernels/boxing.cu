@@ -24,22 +24,17 @@ typedef long long i64;
 // anything after that, up to the next chunk, is padding that is neither read nor written).
 // blockIdx.y picks the chunk; the x threads stride over its words in packed order.
 
-template <typename Word, bool kPack>
-SBP_DEVICE void move_chunks(const Word* __restrict__ src, Word* __restrict__ dst,
-                            const i64* __restrict__ table, i64 n_chunks, i64 outer, i64 row) {
-  const i64 r = blockIdx.y;
-  const i64 col = table[r];
-  const i64 len = table[r + 1] - col;
-  const i64 base = table[n_chunks + 1 + r];
-  const i64 total = outer * len;
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // word j of the chunk, packed order
+template <typename Word, bool kPack, typename I>
+SBP_DEVICE void move_words(const Word* __restrict__ src, Word* __restrict__ dst, I col, I len,
+                           I base, I total, I row) {
+  const I stride = (I)gridDim.x * blockDim.x;
+  I j = (I)blockIdx.x * blockDim.x + threadIdx.x;  // word j of the chunk, packed order
   if (j >= total) return;
   // Divide once; afterwards step the (column, unpacked index) pair by the grid stride.
-  i64 c = j % len;
-  i64 u = (j / len) * row + col + c;  // index of word j in the unpacked tensor
-  const i64 step_c = stride % len;
-  const i64 step_u = (stride / len) * row + step_c;
+  I c = j % len;
+  I u = (j / len) * row + col + c;  // index of word j in the unpacked tensor
+  const I step_c = stride % len;
+  const I step_u = (stride / len) * row + step_c;
 #pragma unroll 4  // lets several loads be in flight per thread
   for (; j < total; j += stride) {
     if (kPack) {
@@ -53,6 +48,31 @@ SBP_DEVICE void move_chunks(const Word* __restrict__ src, Word* __restrict__ dst
       c -= len;
       u += row - len;
     }
+  }
+}
+
+// Index arithmetic in 32 bits where every index fits: a thread often moves a single word,
+// and its four divisions above cost more than the move in 64 bits. (The CPU tests also
+// build with SBP_NARROW_INDEX_LIMIT=0, which takes the 64-bit path for every size.)
+#ifndef SBP_NARROW_INDEX_LIMIT
+#define SBP_NARROW_INDEX_LIMIT 0x7fffffff
+#endif
+
+template <typename Word, bool kPack>
+SBP_DEVICE void move_chunks(const Word* __restrict__ src, Word* __restrict__ dst,
+                            const i64* __restrict__ table, i64 n_chunks, i64 outer, i64 row) {
+  const i64 r = blockIdx.y;
+  const i64 col = table[r];
+  const i64 len = table[r + 1] - col;
+  const i64 base = table[n_chunks + 1 + r];
+  const i64 total = outer * len;
+  // j + stride stays below 2^31
+  const i64 limit = (i64)SBP_NARROW_INDEX_LIMIT - (i64)gridDim.x * blockDim.x;
+  if (outer * row <= limit && base + total <= limit) {
+    move_words<Word, kPack, unsigned>(src, dst, (unsigned)col, (unsigned)len, (unsigned)base,
+                                      (unsigned)total, (unsigned)row);
+  } else {
+    move_words<Word, kPack, i64>(src, dst, col, len, base, total, row);
   }
 }
 

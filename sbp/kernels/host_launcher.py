@@ -40,30 +40,33 @@ def _cache_dir() -> Path:
 
 
 @cache
-def library() -> ctypes.CDLL:
-    """The compiled shim (built on first use, then loaded from the disk cache)."""
+def library(wide_index: bool = False) -> ctypes.CDLL:
+    """The compiled shim (built on first use, then loaded from the disk cache); `wide_index`
+    builds the pack and unpack kernels to take their 64-bit index path at every size."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) to build the kernels for the CPU")
     text = host_source()
+    flags = [*CXX_FLAGS, *(["-DSBP_NARROW_INDEX_LIMIT=0"] if wide_index else [])]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256((text + version + " ".join(CXX_FLAGS)).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"boxing-host-{key}.so"
+    key = hashlib.sha256((text + version + " ".join(flags)).encode()).hexdigest()[:16]
+    stem = "boxing-host-wide" if wide_index else "boxing-host"
+    path = _cache_dir() / f"{stem}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
             subprocess.run(
-                [cxx, *CXX_FLAGS, "-", "-o", tmp],
+                [cxx, *flags, "-", "-o", tmp],
                 input=text,
                 text=True,
                 check=True,
                 capture_output=True,
             )
             os.replace(tmp, path)  # atomic: parallel builders never load a partial file
-            for old in path.parent.glob("boxing-host-*.so"):  # builds of older sources
-                if old != path:
+            for old in path.parent.glob(f"{stem}-*.so"):  # builds of older sources
+                if old != path and len(old.stem) == len(path.stem):
                     old.unlink(missing_ok=True)
         except subprocess.CalledProcessError as e:
             raise RuntimeError(f"building the host kernels failed:\n{e.stderr}") from e
@@ -76,9 +79,10 @@ def library() -> ctypes.CDLL:
 class HostLauncher:
     """Runs the kernels on CPU tensors with the given block size and grid cap."""
 
-    def __init__(self, threads: int = 32, blocks: int = 4) -> None:
+    def __init__(self, threads: int = 32, blocks: int = 4, wide_index: bool = False) -> None:
         self.threads = threads
         self.blocks = blocks
+        self.wide_index = wide_index
 
     def max_blocks(self, device: torch.device) -> int:
         return self.blocks
@@ -87,7 +91,7 @@ class HostLauncher:
         return torch.tensor(values, dtype=torch.int64)
 
     def launch(self, kernel: str, instance: str, grid: tuple[int, int], args: Sequence) -> None:
-        lib = library()
+        lib = library(self.wide_index)
         address = ctypes.cast(getattr(lib, kernel), ctypes.c_void_p)
         c_args = [
             ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_longlong(a)
