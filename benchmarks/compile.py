@@ -28,6 +28,7 @@ aot_eager` traces without code generation.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -72,10 +73,11 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
     import sbp
     import sbp.nn
 
+    device = cfg["device"]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(cfg["batch"], 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (cfg["batch"],), generator=g)
-    P = sbp.placement("cpu", list(range(world)))
+    x = torch.randn(cfg["batch"], 3, 32, 32, generator=g).to(device)
+    y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(device)
+    P = sbp.placement(device, list(range(world)))
     local = sbp.local_slices(x.shape, P, sbp.split(0), P.coord(rank))
     xl, yl = x[local].contiguous(), y[local[:1]].contiguous()
     gx, gy = sbp.to_global(xl, P, sbp.split(0)), sbp.to_global(yl, P, sbp.split(0))
@@ -89,7 +91,7 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
             methods[name] = _failing(_reason(e))
 
     def global_model(compiled, batch_norm="global"):
-        m = _model().to_global(P, sbp.broadcast)
+        m = _model().to(device).to_global(P, sbp.broadcast)
         sbp.nn.data_parallel(m, batch_norm=batch_norm)
         run = torch.compile(m, backend=backend) if compiled else m
         return _step(run, _sgd(m), gx, gy)
@@ -99,7 +101,7 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         add("torch-compiled", lambda: _plain(True, backend, x, y))
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
-        add("dtensor-compiled", lambda: _dtensor(world, backend, xl, yl))
+        add("dtensor-compiled", lambda: _dtensor(world, backend, xl, yl, device))
     else:
         add("ddp-eager", lambda: _ddp(False, backend, xl, yl))
         add("ddp-compiled", lambda: _ddp(True, backend, xl, yl))
@@ -123,32 +125,51 @@ def _failing(error: str) -> Callable[[], Any]:
 
 
 def _plain(compiled, backend, x, y):
-    m = _model()
+    m = _model().to(x.device)
     return _step(torch.compile(m, backend=backend) if compiled else m, _sgd(m), x, y)
 
 
 def _ddp(compiled, backend, x, y):
     from torch.nn.parallel import DistributedDataParallel
 
-    m = DistributedDataParallel(_model())
+    device = x.device
+    ids = [device.index] if device.type == "cuda" else None
+    m = DistributedDataParallel(_model().to(device), device_ids=ids)
     return _step(torch.compile(m, backend=backend) if compiled else m, _sgd(m), x, y)
 
 
-def _dtensor(world, backend, x, y):
+def _dtensor(world, backend, x, y, device):
     from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
-    m = distribute_module(_model(), mesh)
+    mesh = init_device_mesh(device, (world,))
+    m = distribute_module(_model().to(device), mesh)
     dx = DTensor.from_local(x, mesh, [Shard(0)])
     dy = DTensor.from_local(y, mesh, [Shard(0)])
     return _step(torch.compile(m, backend=backend), _sgd(m), dx, dy)
+
+
+def _synchronized(step: Callable[[], Any]) -> Callable[[], Any]:
+    def run():
+        out = step()
+        torch.cuda.synchronize()
+        return out
+
+    return run
 
 
 def _worker(rank: int, world: int, cfg: dict, path: str) -> None:
     import json
 
     warnings.filterwarnings("ignore")
+    if cfg["device"] == "cuda":
+        # Fewer GPUs than ranks (one GPU here): ranks share them, as one-GPU nodes would,
+        # and a cuda placement keeps each rank's data on cuda:LOCAL_RANK.
+        local = rank % torch.cuda.device_count()
+        os.environ["LOCAL_RANK"] = str(local)
+        torch.cuda.set_device(local)
     methods = _methods(rank, world, cfg)
+    if cfg["device"] == "cuda":  # a step ends when the GPU has done its work
+        methods = {name: _synchronized(fn) for name, fn in methods.items()}
     first = {}
     for name, fn in methods.items():  # the first call compiles; time it apart
         dist.barrier()
@@ -177,9 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("batch", "warmup", "rounds", "backend")}
+    cfg = {k: getattr(args, k) for k in ("batch", "warmup", "rounds", "backend", "device")}
     rows = []
     for world in args.world_sizes:
         rows += common.gather_rows(_worker, world, cfg)
@@ -187,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     common.print_report(report, {"misses of the 1.10x target": misses})
     payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
     name = "compile" if args.backend == "inductor" else f"compile-{args.backend}"
+    name += "-cuda" if args.device == "cuda" else ""
     path = common.write_results(name, payload, None if args.out is None else _path(args.out))
     print(f"wrote {path[0]}")
 

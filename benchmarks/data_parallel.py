@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -144,10 +145,23 @@ def _collectives_per_step(trainer) -> dict:
     return {"calls": dict(st.by_kind), "bytes": dict(st.bytes_by_kind), "buckets": buckets}
 
 
+def _synchronized(step):
+    def run():
+        out = step()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
 def worker(rank: int, world: int, cfg: dict, path: str) -> None:
     device = cfg["device"]
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        # Fewer GPUs than ranks (one GPU here): ranks share them, as one-GPU nodes would,
+        # and a cuda placement keeps each rank's data on cuda:LOCAL_RANK.
+        local = rank % torch.cuda.device_count()
+        os.environ["LOCAL_RANK"] = str(local)
+        torch.cuda.set_device(local)
     base = _model(device)
     batches = _batches(rank, cfg, device)
     methods: dict = {}
@@ -173,6 +187,8 @@ def worker(rank: int, world: int, cfg: dict, path: str) -> None:
             methods["sbp DDP"] = _ddp_trainer(base, batches, device, wrapper=SbpDDP).step
         except ImportError:
             pass
+    if device == "cuda":  # a step ends when the GPU has done its work
+        methods = {name: _synchronized(step) for name, step in methods.items()}
     timings = time_methods(methods, cfg["warmup"], cfg["steps"])
     rows["timings"] = {k: v.as_dict() for k, v in timings.items()}
     if world > 1:
@@ -200,6 +216,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 steps, no op-by-op row")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.world < 2:
+        parser.error("--world must be 2 or more (the world of one runs in every case)")
     cfg = {
         "batch": args.batch,
         "steps": 3 if args.quick else args.steps,
@@ -290,6 +308,7 @@ def main() -> None:
         "raw": {"world_1": one, f"world_{args.world}": many},
     }
     name = "data-parallel-quick" if args.quick else "data-parallel"
+    name += "-cuda" if args.device == "cuda" else ""
     for p in write_results(name, payload, args.out):
         print(f"wrote {p}")
 

@@ -10,8 +10,10 @@ packs.
     python benchmarks/kernels.py                 # 1, 4, 16, 64, 256, 1024 MiB
     python benchmarks/kernels.py --sizes 16 64 --ranks 4
 
-Methods are interleaved round by round and timed with CUDA events; the tables show the
-median round. Needs a CUDA GPU and CuPy (the `cuda` extra); without them it exits with a
+GB/s is of GPU time: each method's calls are captured in a CUDA graph and replayed, so the
+host's launch overhead (Python, CuPy) is not counted; methods are interleaved round by round
+and timed with CUDA events, and the table shows the median round. The "call us" columns give
+one eager call with its host overhead, what a small conversion pays. Needs a CUDA GPU and CuPy (the `cuda` extra); without them it exits with a
 message saying so.
 """
 
@@ -155,10 +157,44 @@ def cases(launcher, nbytes: int, ranks: int) -> list[Case]:
     ]
 
 
-def time_ms(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median ms per call of each fn, methods interleaved round by round (CUDA events)."""
+def _graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """`calls` back-to-back calls of `fn` captured in one CUDA graph (after a warm-up on
+    the capturing stream, which compiles and fills the kernels' caches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def device_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int = 10) -> dict:
+    """Median GPU ms per call of each fn: `calls` calls replayed from a CUDA graph, so the
+    host's launch overhead is not counted (the GPU never waits for the host). Methods are
+    interleaved round by round."""
+    graphs = {k: _graph(fn, calls) for k, fn in fns.items()}
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():  # warm-up: compile, allocate staging buffers
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) / calls)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def call_us(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median microseconds of one eager call, host overhead included (CUDA events around
+    the call, the GPU idle before it): what a small boxing call pays."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
         fn()
     torch.cuda.synchronize()
     for _ in range(rounds):
@@ -168,7 +204,7 @@ def time_ms(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, floa
             fn()
             end.record()
             end.synchronize()
-            times[key].append(start.elapsed_time(end))
+            times[key].append(start.elapsed_time(end) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -196,14 +232,14 @@ def main() -> None:
             ok = case.check()
             copy_src = torch.empty(case.moved // 2, dtype=torch.uint8, device=DEVICE)
             copy_dst = torch.empty_like(copy_src)
-            ms = time_ms(
-                {
-                    "kernel": case.kernel,
-                    "copy": lambda s=copy_src, d=copy_dst: d.copy_(s),
-                    "torch": case.torch_op,
-                },
-                args.rounds if mib <= 64 else max(5, args.rounds // 4),
-            )
+            fns = {
+                "kernel": case.kernel,
+                "copy": lambda s=copy_src, d=copy_dst: d.copy_(s),
+                "torch": case.torch_op,
+            }
+            rounds = args.rounds if mib <= 64 else max(5, args.rounds // 4)
+            ms = device_ms(fns, rounds)
+            us = call_us({k: fns[k] for k in ("kernel", "torch")}, rounds)
             gbs = {k: case.moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
             rows.append(
                 [
@@ -214,6 +250,8 @@ def main() -> None:
                     fmt(gbs["torch"], ".0f"),
                     fmt(ratio(gbs["kernel"], gbs["copy"])),
                     fmt(ratio(gbs["kernel"], gbs["torch"])),
+                    fmt(us["kernel"], ".0f"),
+                    fmt(us["torch"], ".0f"),
                     "yes" if ok else "NO",
                 ]
             )
@@ -222,7 +260,8 @@ def main() -> None:
                     "case": case.name,
                     "mib": mib,
                     "moved_bytes": case.moved,
-                    "ms": ms,
+                    "device_ms": ms,
+                    "call_us": us,
                     "gb_per_s": gbs,
                     "matches_torch": ok,
                 }
@@ -239,9 +278,14 @@ def main() -> None:
         "torch GB/s",
         "kernel/copy",
         "kernel/torch",
+        "kernel call us",
+        "torch call us",
         "same",
     ]
-    print(f"device: {device}; bytes read + written; median of interleaved rounds")
+    print(
+        f"device: {device}; GB/s of GPU time (bytes read + written; calls replayed from a CUDA "
+        "graph, median of interleaved rounds); call us: one eager call, host overhead included"
+    )
     print(table(rows, header))
     misses = [
         f"{r['case']} {r['mib']} MiB: {r['gb_per_s']['kernel'] / r['gb_per_s']['copy']:.2f} of copy"
