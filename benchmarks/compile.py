@@ -22,7 +22,8 @@ world of two (each rank holds half the batch)
 Target: global-compiled (and global-local-compiled) within 1.10x of torch-compiled (world of one) and of ddp-compiled
 (world of two). Compilation happens in the warm-up calls and is reported apart. Run
 `python benchmarks/compile.py` (minutes: Inductor compiles each model); `--backend
-aot_eager` traces without code generation.
+aot_eager` traces without code generation; `--device cuda` runs on the GPU (ranks share
+one over gloo where there are fewer GPUs than ranks).
 """
 
 from __future__ import annotations
