@@ -108,9 +108,10 @@ def _ddp_trainer(base, batches, device, sync_bn=False, wrapper=None):
     return Trainer(ddp, batches, lambda x, y: (x, y))
 
 
-def _small_all_reduce_ms(n: int = 64) -> dict[str, float]:
-    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums), through
-    gloo (torch.distributed) and through sbp.comm (shared memory on one host)."""
+def _small_all_reduce_ms(device: str, n: int = 64) -> dict[str, float]:
+    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums) on
+    `device`, through gloo (torch.distributed) and through sbp.comm (shared memory on one
+    host; a CUDA tensor is staged through host memory)."""
     from sbp import comm
 
     out = {}
@@ -119,13 +120,15 @@ def _small_all_reduce_ms(n: int = 64) -> dict[str, float]:
         ("gloo", lambda t: dist.all_reduce(t)),
         ("sbp", lambda t: comm.all_reduce(t, "sum", ranks)),
     ):
-        t = torch.zeros(2, 96)
+        t = torch.zeros(2, 96, device=device)
         reduce(t)
         times = []
         for _ in range(n):
             dist.barrier()
             t0 = time.perf_counter()
             reduce(t)
+            if device == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         worst = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -192,7 +195,7 @@ def worker(rank: int, world: int, cfg: dict, path: str) -> None:
     timings = time_methods(methods, cfg["warmup"], cfg["steps"])
     rows["timings"] = {k: v.as_dict() for k, v in timings.items()}
     if world > 1:
-        rows["small_all_reduce_ms"] = _small_all_reduce_ms()
+        rows["small_all_reduce_ms"] = _small_all_reduce_ms(device)
         rows["logical_step_collectives"] = _collectives_per_step(logical)
         rows["shard_step_collectives"] = _collectives_per_step(shard)
     if rank == 0:

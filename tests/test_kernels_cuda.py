@@ -146,6 +146,25 @@ def _boxing_two_ranks(cases, device="cuda"):
     return launcher, ok
 
 
+def _batch_norm_two_ranks(device="cuda") -> float:
+    """Logical BatchNorm (train) on a batch split over both ranks, forward and backward:
+    the largest difference from torch on the whole batch (its all-reduces are small CUDA
+    tensors, which go through host memory)."""
+    P = sbp.placement(device, [0, 1])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 3, 4, 4, generator=g, dtype=torch.float64).to(device)
+    w = torch.randn(3, generator=g, dtype=torch.float64).to(device)
+    gx = sbp.to_global(x, P, B).to_global(P, S0).detach().requires_grad_()
+    gw = sbp.to_global(w, P, B).detach().requires_grad_()
+    out = F.batch_norm(gx, None, None, gw, None, training=True)
+    (out * out).sum().backward()
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.batch_norm(x, None, None, w, None, training=True)
+    (want * want).sum().backward()
+    pairs = [(out, want), (gx.grad, x.grad), (gw.grad, w.grad)]
+    return max((a.full_tensor() - b).abs().max().item() for a, b in pairs)
+
+
 def _rank_main(rank: int, port: int, kernels: str, queue, device: str = "cuda") -> None:
     os.environ.update(
         RANK=str(rank),
@@ -162,7 +181,7 @@ def _rank_main(rank: int, port: int, kernels: str, queue, device: str = "cuda") 
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
         sbp.env.init()
-        queue.put((rank, "ok", _boxing_two_ranks(CASES, device)))
+        queue.put((rank, "ok", (*_boxing_two_ranks(CASES, device), _batch_norm_two_ranks(device))))
     except BaseException:  # noqa: BLE001 - reported to the test
         queue.put((rank, "err", traceback.format_exc()))
     finally:
@@ -195,8 +214,9 @@ def test_two_ranks_share_one_gpu_over_gloo(kernels):
                 p.kill()
     for rank, (kind, data) in sorted(replies.items()):
         assert kind == "ok", f"rank {rank} failed:\n{data}"
-        launcher, ok = data
+        launcher, ok, batch_norm_error = data
         assert ok == [True] * len(CASES), f"rank {rank}: {ok}"
+        assert batch_norm_error < 1e-10
         if kernels == "torch":
             assert launcher == "NoneType"
         elif importlib.util.find_spec("cupy") is not None:
