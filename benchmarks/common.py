@@ -112,6 +112,28 @@ def init_worker(rank: int, world: int, port: int) -> None:
     dist.init_process_group(BACKEND, rank=rank, world_size=world, timeout=PG_TIMEOUT)
 
 
+def use_cuda_device(rank: int) -> None:
+    """This rank's GPU. With fewer GPUs than ranks (one GPU here) ranks share them, as
+    one-GPU nodes would, and a cuda placement keeps each rank's data on cuda:LOCAL_RANK."""
+    local = rank % torch.cuda.device_count()
+    os.environ["LOCAL_RANK"] = str(local)
+    torch.cuda.set_device(local)
+
+
+def synchronized(methods: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]]:
+    """The same methods, each call ending when the GPU has done its work."""
+
+    def wrap(step: Callable[[], Any]) -> Callable[[], Any]:
+        def run():
+            out = step()
+            torch.cuda.synchronize()
+            return out
+
+        return run
+
+    return {name: wrap(step) for name, step in methods.items()}
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on, stored next to them."""
     model = ""

@@ -29,7 +29,6 @@ one over gloo where there are fewer GPUs than ranks).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -149,28 +148,15 @@ def _dtensor(world, backend, x, y, device):
     return _step(torch.compile(m, backend=backend), _sgd(m), dx, dy)
 
 
-def _synchronized(step: Callable[[], Any]) -> Callable[[], Any]:
-    def run():
-        out = step()
-        torch.cuda.synchronize()
-        return out
-
-    return run
-
-
 def _worker(rank: int, world: int, cfg: dict, path: str) -> None:
     import json
 
     warnings.filterwarnings("ignore")
     if cfg["device"] == "cuda":
-        # Fewer GPUs than ranks (one GPU here): ranks share them, as one-GPU nodes would,
-        # and a cuda placement keeps each rank's data on cuda:LOCAL_RANK.
-        local = rank % torch.cuda.device_count()
-        os.environ["LOCAL_RANK"] = str(local)
-        torch.cuda.set_device(local)
+        common.use_cuda_device(rank)
     methods = _methods(rank, world, cfg)
-    if cfg["device"] == "cuda":  # a step ends when the GPU has done its work
-        methods = {name: _synchronized(fn) for name, fn in methods.items()}
+    if cfg["device"] == "cuda":
+        methods = common.synchronized(methods)
     first = {}
     for name, fn in methods.items():  # the first call compiles; time it apart
         dist.barrier()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
@@ -46,8 +45,10 @@ from common import (  # noqa: E402
     gather_rows,
     machine_info,
     ratio,
+    synchronized,
     table,
     time_methods,
+    use_cuda_device,
     write_results,
 )
 
@@ -111,7 +112,7 @@ def _ddp_trainer(base, batches, device, sync_bn=False, wrapper=None):
 def _small_all_reduce_ms(device: str, n: int = 64) -> dict[str, float]:
     """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums) on
     `device`, through gloo (torch.distributed) and through sbp.comm (shared memory on one
-    host; a CUDA tensor is staged through host memory)."""
+    host for CPU tensors; CUDA tensors go through gloo, which stages them in host memory)."""
     from sbp import comm
 
     out = {}
@@ -148,23 +149,10 @@ def _collectives_per_step(trainer) -> dict:
     return {"calls": dict(st.by_kind), "bytes": dict(st.bytes_by_kind), "buckets": buckets}
 
 
-def _synchronized(step):
-    def run():
-        out = step()
-        torch.cuda.synchronize()
-        return out
-
-    return run
-
-
 def worker(rank: int, world: int, cfg: dict, path: str) -> None:
     device = cfg["device"]
     if device == "cuda":
-        # Fewer GPUs than ranks (one GPU here): ranks share them, as one-GPU nodes would,
-        # and a cuda placement keeps each rank's data on cuda:LOCAL_RANK.
-        local = rank % torch.cuda.device_count()
-        os.environ["LOCAL_RANK"] = str(local)
-        torch.cuda.set_device(local)
+        use_cuda_device(rank)
     base = _model(device)
     batches = _batches(rank, cfg, device)
     methods: dict = {}
@@ -190,8 +178,8 @@ def worker(rank: int, world: int, cfg: dict, path: str) -> None:
             methods["sbp DDP"] = _ddp_trainer(base, batches, device, wrapper=SbpDDP).step
         except ImportError:
             pass
-    if device == "cuda":  # a step ends when the GPU has done its work
-        methods = {name: _synchronized(step) for name, step in methods.items()}
+    if device == "cuda":
+        methods = synchronized(methods)
     timings = time_methods(methods, cfg["warmup"], cfg["steps"])
     rows["timings"] = {k: v.as_dict() for k, v in timings.items()}
     if world > 1:

@@ -13,8 +13,8 @@ packs.
 GB/s is of GPU time: each method's calls are captured in a CUDA graph and replayed, so the
 host's launch overhead (Python, CuPy) is not counted; methods are interleaved round by round
 and timed with CUDA events, and the table shows the median round. The "call us" columns give
-one eager call with its host overhead, what a small conversion pays. Needs a CUDA GPU and CuPy (the `cuda` extra); without them it exits with a
-message saying so.
+one eager call with its host overhead, what a small conversion pays. Needs a CUDA GPU and
+CuPy (the `cuda` extra); without them it exits with a message saying so.
 """
 
 from __future__ import annotations

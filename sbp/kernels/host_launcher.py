@@ -65,8 +65,8 @@ def library(wide_index: bool = False) -> ctypes.CDLL:
                 capture_output=True,
             )
             os.replace(tmp, path)  # atomic: parallel builders never load a partial file
-            for old in path.parent.glob(f"{stem}-*.so"):  # builds of older sources
-                if old != path and len(old.stem) == len(path.stem):
+            for old in path.parent.glob(f"{stem}-{'[0-9a-f]' * 16}.so"):  # older sources
+                if old != path:
                     old.unlink(missing_ok=True)
         except subprocess.CalledProcessError as e:
             raise RuntimeError(f"building the host kernels failed:\n{e.stderr}") from e

@@ -505,21 +505,23 @@ class DataParallel:
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
         leaves = self._local_leaves(data_nd)
         run = _Run(self, layout, data_nd)
+        bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if not self._module_ref.training:
             local_ops = contextlib.nullcontext()
         elif layout.in_modules:
             # A batch in one part: each BatchNorm module's own forward is the logical one
-            special = self._special if len(run.group) > 1 else self._dropouts
+            own_batch_norm = len(run.group) == 1
+            special = self._dropouts if own_batch_norm else self._special
+            bn_calls = 0 if own_batch_norm else bn_calls
             local_ops = _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
-            run.bn_calls = len(layout.bn_counts) if special is self._dropouts else 0
         else:
             local_ops = _LocalOps(run)
         with self._swapped(leaves), local_constants.suspended(), local_ops:
             out = self._original(*largs, **lkwargs)
-        if (run.bn_calls, run.dropouts) != (len(layout.bn_counts), layout.dropouts):
+        if (run.bn_calls, run.dropouts) != (bn_calls, layout.dropouts):
             raise RuntimeError(
                 f"sbp data-parallel fast path: {run.bn_calls} BatchNorm and {run.dropouts} "
-                f"dropout calls, {len(layout.bn_counts)} and {layout.dropouts} when the "
+                f"dropout calls, {bn_calls} and {layout.dropouts} when the "
                 "layout was checked (use sbp.nn.data_parallel(module, fast=False))"
             )
         if run.to_sync:
