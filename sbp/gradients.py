@@ -150,8 +150,13 @@ class Reducer:
                 self._where[i] = (b, offset)
                 offset += leaves[i].numel()
         self._reset()
-        for i, leaf in enumerate(leaves):
-            leaf.register_post_accumulate_grad_hook(self._hook(i))
+        # On one rank nothing is summed, so nothing can overlap: instead of a hook per leaf,
+        # one callback hands every gradient over at the end of backward (`backward_started`)
+        self._hooked = len(ranks) > 1
+        self._kept_partial = False  # (one rank) a `.grad` was left partial by no_sync
+        if self._hooked:
+            for i, leaf in enumerate(leaves):
+                leaf.register_post_accumulate_grad_hook(self._hook(i))
 
     def _reset(self) -> None:
         self._claimed = [False] * len(self._buckets)  # buffer checked free this backward
@@ -160,6 +165,35 @@ class Reducer:
         self._pending: list = [None] * len(self._buckets)
         self._next = 0
         self._queued = False
+
+    def backward_started(self) -> None:
+        """Called when a backward enters the local graph (the module's outputs)."""
+        if not self._hooked and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._hand_over)
+
+    def _hand_over(self) -> None:
+        """One rank: each leaf's gradient becomes its parameter's (after backward)."""
+        try:
+            if self.sync and self._kept_partial:  # a sum over one rank is whole
+                self._kept_partial = False
+                for p in self.params:
+                    if p.grad is not None and p.grad._spec.nd_sbp == self.partial_nd:
+                        p.grad._spec = p.grad._spec._replace(nd_sbp=p._spec.nd_sbp)
+            for i, leaf in enumerate(self.leaves):
+                grad = leaf.grad
+                if grad is None:
+                    continue
+                leaf.grad = None
+                if self.sync:
+                    self._accumulate(i, grad)
+                else:
+                    self._keep_partial(i, grad)
+                    self._kept_partial = True
+        finally:
+            self._queued = False
+            if self.on_finish is not None:
+                self.on_finish()
 
     def _hook(self, i: int):
         ref = weakref.ref(self)
@@ -171,9 +205,6 @@ class Reducer:
             self.trace.append(("ready", i))
         if not self.sync:
             self._keep_partial(i, grad)
-            return
-        if len(self.ranks) == 1:  # nothing to sum: the gradient is the parameter's
-            self._accumulate(i, grad)
             return
         if not self._queued:
             self._queued = True

@@ -142,7 +142,13 @@ def normalize_nd_sbp(sbp: Any, hierarchy_ndim: int, tensor_ndim: int | None = No
             if d < 0:
                 s = Split(d + tensor_ndim)
         out.append(s)
-    return tuple(out)
+    nd = tuple(out)
+    return _interned.setdefault(nd, nd)
+
+
+# One tuple object per distinct signature: a model's tensors then share their nd_sbp, and
+# checks over hundreds of them (an optimizer step's lists) can compare by identity
+_interned: dict[NdSbp, NdSbp] = {}
 
 
 def partials_to_broadcast(nd_sbp: NdSbp) -> NdSbp:

@@ -373,8 +373,12 @@ BOUNDED_NUMEL = 2**20  # integer tensors up to this size report their range (lab
 def _local_bounds(x: torch.Tensor) -> list[int]:
     """[min, max] of a small nonempty integer tensor, else []: with every rank's, the logical
     tensor's range is known, so a loss can see that no label is `ignore_index` without a
-    collective (see `known_range`)."""
-    if x.dtype in _BOUNDED_DTYPES and 0 < x.numel() <= BOUNDED_NUMEL:
+    collective (see `known_range`).
+
+    CPU tensors only: reading a GPU tensor's range waits for the GPU (a host sync every
+    batch, which stops the host queueing work ahead). There the loss all-reduces its
+    divisor instead, which a GPU backend queues without waiting."""
+    if x.device.type == "cpu" and x.dtype in _BOUNDED_DTYPES and 0 < x.numel() <= BOUNDED_NUMEL:
         lo, hi = torch.aminmax(x)
         return [int(lo), int(hi)]
     return []

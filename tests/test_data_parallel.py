@@ -281,13 +281,16 @@ def test_bucket_buffers_reused_only_when_released(pool2):
     assert _rel(grads, [p.grad for p in model.parameters()]) < 1e-12
 
 
-def test_no_sync_accumulates_micro_batches(pool2):
+@pytest.mark.parametrize("world", [1, 2])
+def test_no_sync_accumulates_micro_batches(pool2, world):
+    """On one rank the gradients are handed over once after backward, not by a hook per leaf;
+    a partial sum over one rank is whole once a synchronised backward follows."""
     data = _data(steps=3)
 
-    def run():
+    def run(world):
         import sbp.nn
 
-        P = sbp.placement("cpu", [0, 1])
+        P = sbp.placement("cpu", list(range(world)))
         torch.manual_seed(0)
         model = MLP().double().to_global(P, B)
         inside = []
@@ -299,14 +302,18 @@ def test_no_sync_accumulates_micro_batches(pool2):
                 inside.append({tuple(p.grad.sbp) for p in model.parameters()})
             else:
                 loss.backward()
-        return inside, [p.grad.full_tensor() for p in model.parameters()]
+        after = {tuple(p.grad.sbp) for p in model.parameters()}
+        path = sbp.nn.fast_path.state(model).last_path
+        return inside, after, path, [p.grad.full_tensor() for p in model.parameters()]
 
-    inside, grads = pool2.run(run)[0]
+    inside, after, path, grads = pool2.run(run, world)[0]
     torch.manual_seed(0)
     model = MLP().double()
     for x, y in data:
         F.cross_entropy(model(x), y).backward()
+    assert path == "fast"
     assert inside == [{(sbp.partial_sum,)}] * 2
+    assert after == {(B,)}
     assert _rel(grads, [p.grad for p in model.parameters()]) < 1e-12
 
 

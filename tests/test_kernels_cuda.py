@@ -113,6 +113,42 @@ def test_data_parallel_fast_path_on_one_gpu(batch_norm):
     assert paths == ["fast"] * 3
 
 
+def test_data_parallel_step_never_waits_for_the_gpu():
+    """After the first (checking) step, to_global of a batch, the local forward, backward and
+    the optimizer step queue GPU work without a host sync (torch's sync debug mode raises on
+    one), as a plain torch step does; the steps equal plain torch's."""
+    torchvision = pytest.importorskip("torchvision")
+    P = _placement()
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(num_classes=10).double().cuda()
+    ref = copy.deepcopy(model)
+    model.to_global(P, B)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(8, 3, 32, 32, device="cuda", dtype=torch.float64)
+    y = torch.randint(0, 10, (8,), device="cuda")
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = [step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0))]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses.append(step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    for loss in losses:
+        torch.testing.assert_close(loss.full_tensor(), step(ref, ref_opt, x, y))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q)
+
+
 # ---------------------------------------------------------------- two ranks on one GPU
 
 

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any
 
 import torch
@@ -292,15 +295,17 @@ class _ExitLocal(torch.autograd.Function):
     needs it: split where the output is split, a partial sum where it is broadcast."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, spec: GlobalSpec, grad_spec: GlobalSpec):
-        ctx.grad_spec = grad_spec
+    def forward(ctx, t: torch.Tensor, spec: GlobalSpec, grad_spec: GlobalSpec, reducer):
+        ctx.grad_spec, ctx.reducer = grad_spec, reducer
         return GlobalTensor(t.detach(), spec)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.reducer is not None:
+            ctx.reducer.backward_started()
         if not isinstance(grad, GlobalTensor):
             grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=_all_broadcast(ctx.grad_spec)))
-        return box(grad._local, grad._spec, ctx.grad_spec), None, None
+        return box(grad._local, grad._spec, ctx.grad_spec), None, None, None
 
 
 def _all_broadcast(spec: GlobalSpec) -> tuple:
@@ -314,6 +319,80 @@ def _share_spec(spec: GlobalSpec, data_nd: tuple) -> GlobalSpec:
         for s, d in zip(spec.nd_sbp, data_nd, strict=True)
     )
     return spec._replace(nd_sbp=nd)
+
+
+_SPEC, _LOCAL = operator.attrgetter("_spec"), operator.attrgetter("_local")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+_LEAF_VERSIONS = itertools.count(1)
+
+
+class _Slots:
+    """Where the module keeps each parameter and buffer (a submodule's `_parameters` or
+    `_buffers` table, and a name), the global tensor found there, and the local tensor a
+    local run puts there instead: a leaf sharing a parameter's storage, a buffer's local.
+
+    A model has hundreds of them and every call checks them, so the lists are parallel
+    and the checks run as C loops (`map`)."""
+
+    def __init__(self, found: list[tuple[dict, str, GlobalTensor, bool]]):
+        self.tables = [table for table, _, _, _ in found]
+        self.names = [name for _, name, _, _ in found]
+        self.tensors = [t for _, _, t, _ in found]
+        self.specs = list(map(_SPEC, self.tensors))
+        self.is_param = [is_param for _, _, _, is_param in found]
+        self.params = list({id(t): t for _, _, t, is_param in found if is_param}.values())
+        self.buffers = [t for _, _, t, is_param in found if not is_param]
+        self.version = 0  # which making of the local leaves (unique over all _Slots)
+        self._locals: list = []  # each slot's local tensor when `local` was made
+        self._trained: list = []  # each parameter's requires_grad then
+        self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (local, leaf)
+        self.local: list = []  # per slot, what the local run puts there
+
+    def unchanged(self) -> bool:
+        """The same global tensors in the same places, with the same specs?"""
+        return all(map(is_, map(dict.get, self.tables, self.names), self.tensors)) and all(
+            map(is_, map(_SPEC, self.tensors), self.specs)
+        )
+
+    def refresh(self) -> None:
+        """Make a parameter's local leaf again when its local tensor or requires_grad changed."""
+        locals_ = list(map(_LOCAL, self.tensors))
+        trained = list(map(_REQUIRES_GRAD, self.params))
+        if (
+            len(locals_) == len(self._locals)
+            and all(map(is_, locals_, self._locals))
+            and trained == self._trained
+        ):
+            return
+        leaves = {}
+        for p, grad in zip(self.params, trained, strict=True):
+            cached = self._leaves.get(id(p))
+            if cached is not None and cached[0] is p._local and cached[1].requires_grad == grad:
+                leaves[id(p)] = cached
+            else:
+                leaves[id(p)] = (p._local, p._local.detach().requires_grad_(grad))
+        self._leaves, self._locals, self._trained = leaves, locals_, trained
+        self.local = [
+            leaves[id(t)][1] if is_param else local
+            for t, local, is_param in zip(self.tensors, locals_, self.is_param, strict=True)
+        ]
+        self.version = next(_LEAF_VERSIONS)
+
+    def leaf(self, p: GlobalTensor) -> torch.Tensor:
+        return self._leaves[id(p)][1]
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The local tensors in the module's tables for the duration."""
+        for table, name, local in zip(self.tables, self.names, self.local, strict=True):
+            table[name] = local
+        try:
+            yield
+        finally:
+            for table, name, t in zip(self.tables, self.names, self.tensors, strict=True):
+                table[name] = t
 
 
 class DataParallel:
@@ -331,11 +410,9 @@ class DataParallel:
         self._original = module.forward
         self._layouts: OrderedDict = OrderedDict()
         self._warned: set[str] = set()
-        # (the submodule's _parameters or _buffers, name, tensor, is_param, spec)
-        self._slots: list | None = None
+        self._slots: _Slots | None = None
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
         self._dropouts: list[torch.nn.Module] = []  # the dropout ones
-        self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reducer: gradients.Reducer | None = None
         self._reducer_key: tuple | None = None
         self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
@@ -404,15 +481,13 @@ class DataParallel:
 
     def _params_broadcast(self) -> bool:
         """Are the module's parameters and buffers still the broadcast ones seen last time?"""
-        slots = self._slots
-        if slots is not None and all(
-            table.get(name) is t and t._spec is spec for table, name, t, _, spec in slots
-        ):
+        if self._slots is not None and self._slots.unchanged():
             return True
+        self._slots = None
         allb = (broadcast,) * self.placement.ndim
-        self._slots = []
         self._special = [m for m in self._module_ref.modules() if isinstance(m, SPECIAL_MODULES)]
         self._dropouts = [m for m in self._special if not isinstance(m, BATCH_NORMS)]
+        found = []
         for sub in self._module_ref.modules():
             for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
                 for name, t in table.items():
@@ -423,15 +498,15 @@ class DataParallel:
                         and t._spec.placement == self.placement
                         and t._spec.nd_sbp == allb
                     ):
-                        self._slots = None
                         return False
-                    self._slots.append((table, name, t, is_param, t._spec))
+                    found.append((table, name, t, is_param))
+        self._slots = _Slots(found)
         return True
 
     # ------------------------------------------------------------ checking pass
     def _check(self, args, kwargs, data_nd) -> Layout:
         """Run the module op by op, watching every op, without lasting effects."""
-        buffers = [t for _, _, t, is_param, _ in self._slots if not is_param]
+        buffers = self._slots.buffers
         saved = [b._local.clone() for b in buffers]
         rng = dict(random._state)
         check = _Check(data_nd)
@@ -464,24 +539,16 @@ class DataParallel:
     def group(self, data_nd: tuple) -> tuple[int, ...]:
         return batch_norm.split_group(self.placement, data_nd, env.get_rank())
 
-    def _local_leaves(self, data_nd: tuple) -> dict[int, torch.Tensor]:
-        """A local leaf per parameter, sharing its storage; made again if a local changed."""
-        params = {id(t): t for _, _, t, is_param, _ in self._slots if is_param}
-        fresh = {}
-        for pid, p in params.items():
-            cached = self._leaves.get(pid)
-            if cached is not None and cached[0] is p._local:
-                fresh[pid] = cached
-            else:
-                leaf = p._local.detach().requires_grad_(p.requires_grad)
-                fresh[pid] = (p._local, leaf)
-        self._leaves = fresh
-        key = (tuple((pid, id(leaf)) for pid, (_, leaf) in fresh.items()), data_nd)
+    def _prepare_reducer(self, data_nd: tuple) -> None:
+        """The local leaves up to date, and a reducer over them for this layout."""
+        slots = self._slots
+        slots.refresh()
+        key = (slots.version, data_nd)
         if self._reducer_key != key:
-            trained = [pid for pid, p in params.items() if p.requires_grad]
+            trained = [p for p in slots.params if p.requires_grad]
             self._reducer = gradients.Reducer(
-                [params[pid] for pid in trained],
-                [fresh[pid][1] for pid in trained],
+                trained,
+                [slots.leaf(p) for p in trained],
                 self.group(data_nd),
                 splits_to_partials(data_nd),
                 bucket_bytes=self.bucket_bytes,
@@ -489,7 +556,6 @@ class DataParallel:
             self._reducer_key = key
         self._reducer.sync, self._reducer.trace = self.sync, self.trace
         self._reducer.on_finish = self.settle_buffers
-        return {pid: leaf for pid, (_, leaf) in fresh.items()}
 
     def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple):
         grad = torch.is_grad_enabled()
@@ -503,7 +569,7 @@ class DataParallel:
 
         largs = [enter(a) for a in args]
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
-        leaves = self._local_leaves(data_nd)
+        self._prepare_reducer(data_nd)
         run = _Run(self, layout, data_nd)
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if not self._module_ref.training:
@@ -516,7 +582,7 @@ class DataParallel:
             local_ops = _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
         else:
             local_ops = _LocalOps(run)
-        with self._swapped(leaves), local_constants.suspended(), local_ops:
+        with self._slots.swapped(), local_constants.suspended(), local_ops:
             out = self._original(*largs, **lkwargs)
         if (run.bn_calls, run.dropouts) != (bn_calls, layout.dropouts):
             raise RuntimeError(
@@ -531,16 +597,6 @@ class DataParallel:
             if not backward_follows:
                 self.settle_buffers()
         return self._wrap(out, layout, data_nd, grad)
-
-    @contextlib.contextmanager
-    def _swapped(self, leaves: dict[int, torch.Tensor]) -> Iterator[None]:
-        for table, name, t, is_param, _ in self._slots:
-            table[name] = leaves[id(t)] if is_param else t._local
-        try:
-            yield
-        finally:
-            for table, name, t, _, _ in self._slots:
-                table[name] = t
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
@@ -588,7 +644,8 @@ class DataParallel:
                     "in a way that is not separable: sbp.nn.data_parallel(module, fast=False)"
                 )
             if grad and t.requires_grad:
-                wrapped.append(_ExitLocal.apply(t, spec, _share_spec(spec, data_nd)))
+                grad_spec = _share_spec(spec, data_nd)
+                wrapped.append(_ExitLocal.apply(t, spec, grad_spec, self._reducer))
             else:
                 wrapped.append(GlobalTensor(t, spec))
         return tree_unflatten(wrapped, tree)

@@ -8,6 +8,9 @@ kernel runs on the local lists. Norms go through the norm rule per tensor.
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, is_
+
 import torch
 
 from sbp import env
@@ -110,10 +113,13 @@ def list_rule(func, args, kwargs):
 def _aligned_locals(args, kwargs):
     """(local arguments, placement, specs of the first list) when every tensor argument is in
     a list of global tensors on one placement, laid out as the first list's at its index,
-    with no partial sums; else None (the general path checks and moves)."""
+    with no partial sums; else None (the general path checks and moves).
+
+    An optimizer step passes lists of hundreds of tensors, so the checks run as C loops
+    (`map`) over attributes that a model's tensors mostly share as the same objects."""
     from sbp.tensor import GlobalTensor
 
-    placement = specs = None
+    placement = specs = nds = None
     local_args = list(args)
     for li, a in enumerate(args):
         if type(a) is not list and type(a) is not tuple:
@@ -124,29 +130,33 @@ def _aligned_locals(args, kwargs):
             if any(isinstance(t, torch.Tensor) for t in a):
                 return None
             continue
-        if specs is None:
-            specs = [t._spec for t in a if type(t) is GlobalTensor]
-            placement, whole = specs[0].placement, None
-            if len(specs) != len(a):
-                return None
-            for s in specs:
-                if s.placement is not placement and s.placement != placement:
-                    return None
-                if s.nd_sbp is not whole:  # (tensors of a model share a few nd_sbp objects)
-                    if partials_to_broadcast(s.nd_sbp) is not s.nd_sbp:
-                        return None
-                    whole = s.nd_sbp
-        elif len(a) != len(specs) or any(
-            type(t) is not GlobalTensor
-            or t._spec.nd_sbp != s.nd_sbp
-            or (t._spec.placement is not placement and t._spec.placement != placement)
-            for t, s in zip(a, specs, strict=True)
-        ):
+        if not all(map(is_, map(type, a), repeat(GlobalTensor))):
             return None
-        local_args[li] = [t._local for t in a]
+        these = list(map(_SPEC, a))
+        if specs is None:
+            specs, placement = these, these[0].placement
+            nds = list(map(_ND_SBP, specs))
+            distinct = {id(nd): nd for nd in nds}.values()  # (hashing SBPs runs Python)
+            if any(partials_to_broadcast(nd) is not nd for nd in distinct):
+                return None
+        elif len(these) != len(specs) or list(map(_ND_SBP, these)) != nds:
+            return None
+        if not _all_are(map(_PLACEMENT, these), placement):
+            return None
+        local_args[li] = list(map(_LOCAL, a))
     if specs is None or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return None
     return local_args, placement, specs
+
+
+_SPEC, _LOCAL = attrgetter("_spec"), attrgetter("_local")
+_ND_SBP, _PLACEMENT = attrgetter("nd_sbp"), attrgetter("placement")
+
+
+def _all_are(objects, first) -> bool:
+    """Every object is `first` or equal to it (checked by identity first, in C)."""
+    objects = list(objects)
+    return all(map(is_, objects, repeat(first))) or all(o == first for o in objects)
 
 
 def _run(func, local_args, local_kwargs, placement, specs):
