@@ -120,7 +120,9 @@ class Reducer:
     whatever order gradients arrive in. At the end of backward the rest is launched and
     everything is waited for once. Parameters unused in this backward contribute zeros and
     a zero "used" count, so a gradient stays None only where it was unused on every rank.
-    Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
+    The counts ride in the buckets' buffers on the CPU. On a GPU they are summed apart, in
+    one small CPU all-reduce at the end of backward: reading them back from the GPU would
+    make the host wait for every bucket (torch DDP does not block the host either). Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
     becomes a `partial_sum` tensor, reduced together with the next synchronised backward.
     """
 
@@ -132,12 +134,16 @@ class Reducer:
         partial_nd: tuple,
         bucket_bytes: int = BUCKET_BYTES,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+        counts_on_host: bool | None = None,
     ):
         self.params, self.leaves, self.ranks, self.partial_nd = params, leaves, ranks, partial_nd
         self.sync = True
         self.trace: list | None = None  # set to a list to record ("ready", i) / ("launch", b)
         self.on_finish: Callable[[], None] | None = None  # called once gradients are whole
         self._buckets = _plan_buckets(leaves, bucket_bytes, min(first_bucket_bytes, bucket_bytes))
+        if counts_on_host is None:
+            counts_on_host = bool(leaves) and leaves[0].device.type != "cpu"
+        self.counts_on_host = counts_on_host
         self._where = {}
         # per bucket: its flat buffer, and the reference counts that mean nothing outside
         # the reducer holds it; per parameter: its slot in the buffer
@@ -163,6 +169,7 @@ class Reducer:
         self._filled: set[int] = set()
         self._missing = [len(b) for b in self._buckets]
         self._pending: list = [None] * len(self._buckets)
+        self._used: list[list[int]] = [[] for _ in self._buckets]  # (counts_on_host)
         self._next = 0
         self._queued = False
 
@@ -237,9 +244,10 @@ class Reducer:
                 return
         sizes = [self.leaves[j].numel() for j in members]
         first = self.leaves[members[0]]
-        flat = torch.empty(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
+        counts = 0 if self.counts_on_host else len(members)
+        flat = torch.empty(sum(sizes) + counts, dtype=first.dtype, device=first.device)
         self._flat[b] = flat
-        views = flat.split([*sizes, len(members)])
+        views = flat.split([*sizes, counts])
         for j, view in zip(members, views, strict=False):
             self._slots[j] = view.view(self.leaves[j].shape)
         del views, view
@@ -272,7 +280,10 @@ class Reducer:
                 slot.zero_()
             used.append(1 if i in self._filled else 0)
         flat = self._flat[b]
-        flat[flat.numel() - len(members) :].copy_(torch.tensor(used, dtype=flat.dtype))
+        if self.counts_on_host:
+            self._used[b] = used
+        else:
+            flat[flat.numel() - len(members) :].copy_(torch.tensor(used, dtype=flat.dtype))
         if self.trace is not None:
             self.trace.append(("launch", b))
         self._pending[b] = comm.all_reduce_async(flat, "sum", self.ranks)
@@ -282,11 +293,17 @@ class Reducer:
         try:
             while self._next < len(self._buckets):
                 self._launch(self._next)
+            if self.counts_on_host:
+                counts = torch.tensor([u for used in self._used for u in used], dtype=torch.int64)
+                counts = comm.all_reduce(counts, "sum", self.ranks).tolist()
             for b, members in enumerate(self._buckets):
                 flat = self._pending[b].wait()
                 if flat is not self._flat[b]:  # (a staged collective gives a new tensor)
                     self._flat[b].copy_(flat)
-                used = flat[flat.numel() - len(members) :].tolist()
+                if self.counts_on_host:
+                    used, counts = counts[: len(members)], counts[len(members) :]
+                else:
+                    used = flat[flat.numel() - len(members) :].tolist()
                 for j, i in enumerate(members):
                     if used[j]:
                         self._accumulate(i, self._slots[i])

@@ -330,24 +330,29 @@ class Branches(torch.nn.Module):
         return self.fc(x) * self.scale, (self.scale**2).sum()
 
 
-def test_unused_parameters_broadcast_outputs_and_input_grads(pool2):
+@pytest.mark.parametrize("counts_on_host", [False, True])
+def test_unused_parameters_broadcast_outputs_and_input_grads(pool2, counts_on_host):
+    """The "used" counts ride in the buckets (CPU) or are summed apart on the host (what a
+    GPU run does, so that reading them does not wait for the GPU): the same gradients."""
     x, y = _data(steps=1)[0]
 
-    def run():
+    def run(counts_on_host):
         P = sbp.placement("cpu", [0, 1])
         torch.manual_seed(0)
         model = Branches().double().to_global(P, B)
         xg = _global(x, P).requires_grad_()
         out, aux = model(xg)
+        state = sbp.nn.fast_path.state(model)
+        assert state._reducer.counts_on_host is False  # (chosen by the device: CPU)
+        state._reducer.counts_on_host = counts_on_host
         loss = F.cross_entropy(out, _global(y, P)) + aux
         loss.backward()
-        path = sbp.nn.fast_path.state(model).last_path
         grads = {
             n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()
         }
-        return path, grads, xg.grad.full_tensor(), tuple(aux.sbp)
+        return state.last_path, grads, xg.grad.full_tensor(), tuple(aux.sbp)
 
-    path, grads, xgrad, aux_sbp = pool2.run(run)[0]
+    path, grads, xgrad, aux_sbp = pool2.run(run, counts_on_host)[0]
     torch.manual_seed(0)
     model = Branches().double()
     xr = x.clone().requires_grad_()
