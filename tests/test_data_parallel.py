@@ -380,6 +380,30 @@ class ConvBN(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+def _conv_bn_cumulative():
+    """BatchNorm with momentum=None (as torch.optim.swa_utils.update_bn sets it): the running
+    statistics are a cumulative average, which reads num_batches_tracked as a number."""
+    model = ConvBN()
+    model.bn.momentum = None
+    return model
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_batch_norm_cumulative_average_on_the_fast_path(pool2, world):
+    data = _data(n=6, steps=3, shape=(3, 5, 5), classes=4)
+    if world == 1:  # in this process: a world of one (a rank outside has no number to read)
+        fast, per_op = _fast_and_per_op(_conv_bn_cumulative, 1, S0, data)
+    else:
+        fast, per_op = pool2.run(_fast_and_per_op, _conv_bn_cumulative, world, S0, data)[0]
+    ref = _train(_conv_bn_cumulative, None, None, None, data)
+    assert fast[3] == ["fast"] * 3 and per_op[3] == ["per-op"] * 3
+    for got in (fast, per_op):
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12
+        assert _rel(got[2], ref[2]) < 1e-12  # running statistics and num_batches_tracked
+
+
 @pytest.mark.parametrize("path", ["fast", "per-op", "compiled"])
 def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
     """The fast path, op by op (`sbp::shard_batch_norm`) and torch.compile (the same op in

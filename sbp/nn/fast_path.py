@@ -86,6 +86,7 @@ class _Check:
     )
     SHARD_BATCH_NORM = torch.ops.sbp.shard_batch_norm.default  # batch_norm="local", op by op
     DROPOUT = (aten.native_dropout.default, aten.bernoulli_.float)
+    SCALAR = aten._local_scalar_dense.default
 
     def __init__(self, data_nd: tuple):
         self.data_nd = data_nd
@@ -120,6 +121,10 @@ class _Check:
     def custom(self, func, args) -> None:
         rule = registry._resolve(func)
         if rule in self.SAME_LAYOUT:
+            return
+        if func is self.SCALAR and self.depth > 0 and all(s.is_broadcast for s in args[0].sbp):
+            # BatchNorm with momentum=None reads num_batches_tracked (a cumulative average):
+            # a broadcast value, the same number on every rank in the local run
             return
         if (
             func not in self.BATCH_NORMS
