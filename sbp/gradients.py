@@ -122,7 +122,7 @@ class Reducer:
     a zero "used" count, so a gradient stays None only where it was unused on every rank.
     The counts ride in the buckets' buffers on the CPU. On a GPU they are summed apart, in
     one small CPU all-reduce at the end of backward: reading them back from the GPU would
-    make the host wait for every bucket (torch DDP does not block the host either). Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
+    make the host wait for every bucket (torch DDP does not wait for the GPU either). Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
     becomes a `partial_sum` tensor, reduced together with the next synchronised backward.
     """
 
@@ -159,7 +159,6 @@ class Reducer:
         # On one rank nothing is summed, so nothing can overlap: instead of a hook per leaf,
         # one callback hands every gradient over at the end of backward (`backward_started`)
         self._hooked = len(ranks) > 1
-        self._kept_partial = False  # (one rank) a `.grad` was left partial by no_sync
         if self._hooked:
             for i, leaf in enumerate(leaves):
                 leaf.register_post_accumulate_grad_hook(self._hook(i))
@@ -171,23 +170,35 @@ class Reducer:
         self._pending: list = [None] * len(self._buckets)
         self._used: list[list[int]] = [[] for _ in self._buckets]  # (counts_on_host)
         self._next = 0
-        self._queued = False
+        self._queued = False  # the end-of-backward call is queued
+
+    def _queue_once(self, callback: Callable[[], None]) -> None:
+        """Queue `callback` for the end of the running backward, once per backward."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    def forward_started(self) -> None:
+        """Called before each local forward. A backward that raised never ran its
+        end-of-backward call: drop what it left, so the next backward starts afresh
+        (a forward re-run inside a backward, by checkpointing, changes nothing)."""
+        if self._queued and torch._C._current_graph_task_id() == -1:
+            self._reset()
+            for leaf in self.leaves:
+                leaf.grad = None
 
     def backward_started(self) -> None:
         """Called when a backward enters the local graph (the module's outputs)."""
-        if not self._hooked and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._hand_over)
+        if not self._hooked:
+            self._queue_once(self._hand_over)
 
     def _hand_over(self) -> None:
         """One rank: each leaf's gradient becomes its parameter's (after backward)."""
         try:
-            if self.sync and self._kept_partial:  # a sum over one rank is whole
-                self._kept_partial = False
-                for p in self.params:
-                    if p.grad is not None and p.grad._spec.nd_sbp == self.partial_nd:
-                        p.grad._spec = p.grad._spec._replace(nd_sbp=p._spec.nd_sbp)
             for i, leaf in enumerate(self.leaves):
+                p = self.params[i]
+                if self.sync and p.grad is not None and p.grad._spec.nd_sbp == self.partial_nd:
+                    p.grad._spec = p.grad._spec._replace(nd_sbp=p._spec.nd_sbp)  # (no_sync)
                 grad = leaf.grad
                 if grad is None:
                     continue
@@ -196,7 +207,6 @@ class Reducer:
                     self._accumulate(i, grad)
                 else:
                     self._keep_partial(i, grad)
-                    self._kept_partial = True
         finally:
             self._queued = False
             if self.on_finish is not None:
@@ -208,14 +218,14 @@ class Reducer:
 
     def _ready(self, i: int, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        if grad is None:  # (taken by another reducer's hook on a shared leaf)
+            return
         if self.trace is not None:
             self.trace.append(("ready", i))
         if not self.sync:
             self._keep_partial(i, grad)
             return
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._queue_once(self._finish)
         b, _ = self._where[i]
         self._slot(i).copy_(grad)
         self._filled.add(i)

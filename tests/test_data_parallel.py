@@ -6,6 +6,8 @@ one process on the logical batch; float64 so that 1e-12 separates semantics from
 rounding.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +159,55 @@ def test_world_of_one():
     ref = _train(MLP, None, None, None, data)
     assert got[3] == ["fast"] * 3
     assert _rel(got[1], ref[1]) < 1e-12
+
+
+class _FailOnce(torch.autograd.Function):
+    """The identity, whose backward raises while `fail` is set."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.fail:
+            raise RuntimeError("backward failed")
+        return grad
+
+
+class FailingMLP(MLP):
+    def forward(self, x):
+        x = _FailOnce.apply(torch.relu(self.layers[0](x)))
+        for layer in self.layers[1:]:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_a_failed_backward_leaves_nothing_behind():
+    """A backward that raised (after some leaves got gradients) never ran its end-of-backward
+    hand-over; the next step's gradients are still exactly that step's (world of one)."""
+    x, y = _data(steps=1)[0]
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = FailingMLP().double()
+    ref = copy.deepcopy(model)
+    model.to_global(P, B)
+    _FailOnce.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            _loss(model, x, y, P).backward()
+    finally:
+        _FailOnce.fail = False
+    assert all(p.grad is None for p in model.parameters())
+    _loss(model, x, y, P).backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    assert (
+        _rel([p.grad.full_tensor() for p in model.parameters()], [q.grad for q in ref.parameters()])
+        < 1e-12
+    )
 
 
 class MixesSamples(torch.nn.Module):

@@ -561,6 +561,7 @@ class DataParallel:
             self._reducer_key = key
         self._reducer.sync, self._reducer.trace = self.sync, self.trace
         self._reducer.on_finish = self.settle_buffers
+        self._reducer.forward_started()
 
     def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple):
         grad = torch.is_grad_enabled()
@@ -650,7 +651,9 @@ class DataParallel:
                 )
             if grad and t.requires_grad:
                 grad_spec = _share_spec(spec, data_nd)
-                wrapped.append(_ExitLocal.apply(t, spec, grad_spec, self._reducer))
+                # (only a hookless reducer needs telling; a graph keeps no other alive)
+                reducer = None if self._reducer._hooked else self._reducer
+                wrapped.append(_ExitLocal.apply(t, spec, grad_spec, reducer))
             else:
                 wrapped.append(GlobalTensor(t, spec))
         return tree_unflatten(wrapped, tree)
