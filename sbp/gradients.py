@@ -122,7 +122,8 @@ class Reducer:
     a zero "used" count, so a gradient stays None only where it was unused on every rank.
     The counts ride in the buckets' buffers on the CPU. On a GPU they are summed apart, in
     one small CPU all-reduce at the end of backward: reading them back from the GPU would
-    make the host wait for every bucket (torch DDP does not wait for the GPU either). Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
+    make the host wait for every bucket (torch DDP does not wait for the GPU either).
+    Under `sync=False` (`no_sync`), gradients stay this rank's partial sums: `.grad`
     becomes a `partial_sum` tensor, reduced together with the next synchronised backward.
     """
 
@@ -158,8 +159,8 @@ class Reducer:
         self._reset()
         # On one rank nothing is summed, so nothing can overlap: instead of a hook per leaf,
         # one callback hands every gradient over at the end of backward (`backward_started`)
-        self._hooked = len(ranks) > 1
-        if self._hooked:
+        self.hooked = len(ranks) > 1
+        if self.hooked:
             for i, leaf in enumerate(leaves):
                 leaf.register_post_accumulate_grad_hook(self._hook(i))
 
@@ -189,7 +190,7 @@ class Reducer:
 
     def backward_started(self) -> None:
         """Called when a backward enters the local graph (the module's outputs)."""
-        if not self._hooked:
+        if not self.hooked:
             self._queue_once(self._hand_over)
 
     def _hand_over(self) -> None:

@@ -30,13 +30,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import operator
 import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from operator import is_
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -326,10 +325,11 @@ def _share_spec(spec: GlobalSpec, data_nd: tuple) -> GlobalSpec:
     return spec._replace(nd_sbp=nd)
 
 
-_SPEC, _LOCAL = operator.attrgetter("_spec"), operator.attrgetter("_local")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
+_SPEC, _LOCAL, _REQUIRES_GRAD = (
+    attrgetter("_spec"),
+    attrgetter("_local"),
+    attrgetter("requires_grad"),
+)
 _LEAF_VERSIONS = itertools.count(1)
 
 
@@ -652,7 +652,7 @@ class DataParallel:
             if grad and t.requires_grad:
                 grad_spec = _share_spec(spec, data_nd)
                 # (only a hookless reducer needs telling; a graph keeps no other alive)
-                reducer = None if self._reducer._hooked else self._reducer
+                reducer = None if self._reducer.hooked else self._reducer
                 wrapped.append(_ExitLocal.apply(t, spec, grad_spec, reducer))
             else:
                 wrapped.append(GlobalTensor(t, spec))
