@@ -8,6 +8,9 @@ world of one
   torch-compiled    torch.compile(model)
   global-eager      parameters broadcast, batch split(0) on a placement of one rank
   global-compiled   the same, torch.compile(model)
+  global-dp-compiled  the same on the data-parallel fast path with only its local forward
+                    compiled (`sbp.nn.data_parallel(model, compile=True)`; no torch.compile
+                    of the global model): plain tensors in the graph, as compiled torch
   dtensor-compiled  DTensor (Replicate parameters, Shard(0) batch), torch.compile(model)
 world of two (each rank holds half the batch)
   ddp-eager         torch DistributedDataParallel (the anchor)
@@ -18,6 +21,8 @@ world of two (each rank holds half the batch)
   global-local-compiled  the same with per-shard BatchNorm
                     (`sbp.nn.data_parallel(model, batch_norm="local")`), which is what
                     DDP computes: the same work as ddp-compiled
+  global-dp-compiled  per-shard BatchNorm on the fast path, its local forward compiled
+                    (`sbp.nn.data_parallel(model, batch_norm="local", compile=True)`)
 
 Target: global-compiled (and global-local-compiled) within 1.10x of torch-compiled (world of one) and of ddp-compiled
 (world of two). Compilation happens in the warm-up calls and is reported apart. Run
@@ -90,9 +95,10 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         except Exception as e:  # a method that cannot be set up is reported, not fatal
             methods[name] = _failing(_reason(e))
 
-    def global_model(compiled, batch_norm="global"):
+    def global_model(compiled, batch_norm="global", local_compiled=False):
         m = _model().to(device).to_global(P, sbp.broadcast)
-        sbp.nn.data_parallel(m, batch_norm=batch_norm)
+        options = {"backend": backend} if local_compiled else None
+        sbp.nn.data_parallel(m, batch_norm=batch_norm, compile=options)
         run = torch.compile(m, backend=backend) if compiled else m
         return _step(run, _sgd(m), gx, gy)
 
@@ -101,6 +107,7 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         add("torch-compiled", lambda: _plain(True, backend, x, y))
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
+        add("global-dp-compiled", lambda: global_model(False, local_compiled=True))
         add("dtensor-compiled", lambda: _dtensor(world, backend, xl, yl, device))
     else:
         add("ddp-eager", lambda: _ddp(False, backend, xl, yl))
@@ -108,6 +115,7 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
         add("global-local-compiled", lambda: global_model(True, "local"))
+        add("global-dp-compiled", lambda: global_model(False, "local", True))
     return methods
 
 

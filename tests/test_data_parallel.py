@@ -69,8 +69,19 @@ def _data(n=10, steps=3, shape=(8,), classes=3, seed=1):
     ]
 
 
-def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global", compiled=False):
-    """`fast`: the fast path on or off; `compiled`: the model under torch.compile (aot_eager)."""
+def _train(
+    make_model,
+    placement,
+    nd,
+    fast,
+    data,
+    opt="sgd",
+    batch_norm="global",
+    compiled=False,
+    compile_local=None,
+):
+    """`fast`: the fast path on or off; `compiled`: the model under torch.compile (aot_eager);
+    `compile_local`: torch.compile options for the fast path's local forward."""
     import sbp.nn
 
     torch.manual_seed(0)
@@ -78,7 +89,7 @@ def _train(make_model, placement, nd, fast, data, opt="sgd", batch_norm="global"
     model = make_model().double()
     if placement is not None:
         model.to_global(placement, (B,) * placement.ndim)
-        sbp.nn.data_parallel(model, fast=fast, batch_norm=batch_norm)
+        sbp.nn.data_parallel(model, fast=fast, batch_norm=batch_norm, compile=compile_local)
     params = list(model.parameters())
     optim = (
         torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
@@ -455,10 +466,11 @@ def test_batch_norm_cumulative_average_on_the_fast_path(pool2, world):
         assert _rel(got[2], ref[2]) < 1e-12  # running statistics and num_batches_tracked
 
 
-@pytest.mark.parametrize("path", ["fast", "per-op", "compiled"])
+@pytest.mark.parametrize("path", ["fast", "per-op", "compiled", "compile-local"])
 def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
-    """The fast path, op by op (`sbp::shard_batch_norm`) and torch.compile (the same op in
-    the graph, one broadcast of the running statistics) all compute what torch DDP does."""
+    """The fast path, op by op (`sbp::shard_batch_norm`), torch.compile (the same op in
+    the graph, one broadcast of the running statistics) and the fast path with its local
+    forward compiled (torch's BatchNorm in the graph) all compute what torch DDP does."""
     data = _data(n=8, steps=3, shape=(3, 8, 8), classes=4)
 
     def run():
@@ -466,7 +478,14 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
 
         P = sbp.placement("cpu", [0, 1])
         got = _train(
-            ConvBN, P, S0, path == "fast", data, batch_norm="local", compiled=path == "compiled"
+            ConvBN,
+            P,
+            S0,
+            path in ("fast", "compile-local"),
+            data,
+            batch_norm="local",
+            compiled=path == "compiled",
+            compile_local={"backend": "aot_eager"} if path == "compile-local" else None,
         )
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(ConvBN().double())
@@ -481,7 +500,9 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
             dist.broadcast(b, 0)  # torch DDP's buffers are rank 0's (it broadcasts them)
         return got, [p.detach() for p in ddp.module.parameters()], buffers
 
-    expected_path = {"fast": "fast", "per-op": "per-op", "compiled": ""}[path]
+    expected_path = {"fast": "fast", "per-op": "per-op", "compiled": "", "compile-local": "fast"}[
+        path
+    ]
     for got, ddp_params, ddp_buffers in pool2.run(run):  # every rank's buffers: rank 0's
         assert got[3] == [expected_path] * 3
         assert _rel(got[1], ddp_params) < 1e-12
@@ -761,3 +782,66 @@ def test_functional_batch_norm_outside_modules_equals_one_process(pool2):
         assert paths == ["fast"] * len(data) and in_modules == [False]
         assert losses == pytest.approx(ref_losses, abs=1e-12)
         assert _rel(params, ref_params) < 1e-12 and _rel(buffers, ref_buffers) < 1e-12
+
+
+# ---------------------------------------------------------------- compiled local forward
+
+
+def _counting(backend="aot_eager"):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend(backend)
+
+
+def test_compiled_local_forward_on_one_rank():
+    """`data_parallel(model, compile=...)`: the fast path's local forward through
+    torch.compile equals one process, and later steps reuse the graph (no recompile: the
+    local leaves, swapped in per call, are the same inputs every step)."""
+    data = _data(n=6, steps=3, shape=(3, 5, 5), classes=4)
+    counter = _counting()
+    got = _train(
+        ConvBN, sbp.placement("cpu", [0]), S0, True, data, compile_local={"backend": counter}
+    )
+    ref = _train(ConvBN, None, None, None, data)
+    assert got[3] == ["fast"] * 3
+    assert counter.frame_count == 1 and counter.op_count > 0
+    for a, b in zip(got[0], ref[0], strict=True):
+        assert abs(a - b) <= 1e-12 * abs(b)
+    assert _rel(got[1], ref[1]) < 1e-12
+    assert _rel(got[2], ref[2]) < 1e-12  # running statistics and num_batches_tracked
+    assert got[4] == {(B,)}
+
+
+def _logical_compile_local(data):
+    import warnings
+
+    P = sbp.placement("cpu", [0, 1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _train(ConvBN, P, S0, True, data, compile_local={"backend": "aot_eager"})
+    return got, [str(w.message) for w in caught if "not compiled" in str(w.message)]
+
+
+def test_compile_local_with_logical_batch_norm_runs_eagerly(pool2):
+    """Logical BatchNorm over two ranks needs the per-call interception: the local forward
+    then runs eagerly, says so once, and still equals one process."""
+    data = _data(n=6, steps=2, shape=(3, 5, 5), classes=4)
+    ref = _train(ConvBN, None, None, None, data)
+    for got, warned in pool2.run(_logical_compile_local, data):
+        assert got[3] == ["fast"] * 2
+        assert len(warned) == 1 and "logical BatchNorm" in warned[0]
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+def test_compile_option_is_checked():
+    import sbp.nn
+
+    model = MLP().to_global(sbp.placement("cpu", [0]), B)
+    with pytest.raises(sbp.SbpError, match="compile"):
+        sbp.nn.data_parallel(model, compile="max-autotune")
+    sbp.nn.data_parallel(model, compile={"mode": "default"})
+    assert sbp.nn.fast_path.state(model).compile_options == {"mode": "default"}
+    sbp.nn.data_parallel(model, compile=False)
+    assert sbp.nn.fast_path.state(model).compile_options is None

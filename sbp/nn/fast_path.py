@@ -33,7 +33,7 @@ import itertools
 import types
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter, is_
 from typing import Any
@@ -422,6 +422,9 @@ class DataParallel:
         self._reducer_key: tuple | None = None
         self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
         self.shard_batch_norms: list = []  # batch_norm="local": modules with the per-shard forward
+        self.compile_options: dict | None = None  # torch.compile's options for the local forward
+        self._compiled: Callable | None = None  # the local forward, compiled
+        self._compile_declined = False  # warned that a call runs eagerly
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -577,20 +580,28 @@ class DataParallel:
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
         self._prepare_reducer(data_nd)
         run = _Run(self, layout, data_nd)
+        training = self._module_ref.training
+        compiled = self._compiled_forward(run, layout)
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
-        if not self._module_ref.training:
-            local_ops = contextlib.nullcontext()
+        if compiled is not None:
+            # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
+            forward, local_ops = compiled, contextlib.nullcontext()
+            if training and len(run.group) > 1:
+                run.to_sync = self._running_statistics()
+        elif not training:
+            forward, local_ops = self._original, contextlib.nullcontext()
         elif layout.in_modules:
             # A batch in one part: each BatchNorm module's own forward is the logical one
             own_batch_norm = len(run.group) == 1
             special = self._dropouts if own_batch_norm else self._special
             bn_calls = 0 if own_batch_norm else bn_calls
+            forward = self._original
             local_ops = _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
         else:
-            local_ops = _LocalOps(run)
+            forward, local_ops = self._original, _LocalOps(run)
         with self._slots.swapped(), local_constants.suspended(), local_ops:
-            out = self._original(*largs, **lkwargs)
-        if (run.bn_calls, run.dropouts) != (bn_calls, layout.dropouts):
+            out = forward(*largs, **lkwargs)
+        if compiled is None and (run.bn_calls, run.dropouts) != (bn_calls, layout.dropouts):
             raise RuntimeError(
                 f"sbp data-parallel fast path: {run.bn_calls} BatchNorm and {run.dropouts} "
                 f"dropout calls, {bn_calls} and {layout.dropouts} when the "
@@ -603,6 +614,43 @@ class DataParallel:
             if not backward_follows:
                 self.settle_buffers()
         return self._wrap(out, layout, data_nd, grad)
+
+    def _compiled_forward(self, run: _Run, layout: Layout):
+        """The module's forward compiled for local tensors (`data_parallel(module,
+        compile=...)`), or None where this call runs it eagerly: compiling it off, or
+        logical BatchNorm over several ranks, which the eager run intercepts per call."""
+        if self.compile_options is None:
+            return None
+        if self._module_ref.training and (
+            (layout.bn_counts and len(run.group) > 1 and self.batch_norm == "global")
+            or not layout.in_modules
+        ):
+            if not self._compile_declined:
+                self._compile_declined = True
+                why = (
+                    "logical BatchNorm over several ranks"
+                    if layout.in_modules
+                    else "F.batch_norm or F.dropout called outside BatchNorm and Dropout modules"
+                )
+                warnings.warn(
+                    f"sbp: {type(self._module_ref).__name__} runs its local forward eagerly, "
+                    f"not compiled: {why} (batch_norm='local' compiles)",
+                    stacklevel=4,
+                )
+            return None
+        if self._compiled is None:
+            self._compiled = torch.compile(self._original, **self.compile_options)
+        return self._compiled
+
+    def _running_statistics(self) -> list[torch.Tensor]:
+        """The local running statistics that train-mode BatchNorm modules update."""
+        return [
+            t._local
+            for m in self._special
+            if isinstance(m, BATCH_NORMS) and m.training and m.track_running_stats
+            for t in (m.running_mean, m.running_var)
+            if t is not None
+        ]
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
@@ -726,17 +774,30 @@ def data_parallel(
     fast: bool | None = None,
     batch_norm: str | None = None,
     bucket_mb: float | None = None,
+    compile: bool | dict | None = None,
 ) -> torch.nn.Module:
     """Options of a module made global with `module.to_global(P, sbp.broadcast)`.
 
     fast: run the module on local shards when its check passes (default True);
     batch_norm: "global" (default) uses the statistics of the whole logical batch,
     "local" those of each rank's shard, as torch DDP without SyncBatchNorm;
-    bucket_mb: gradient bucket size (default 25, as torch DDP).
+    bucket_mb: gradient bucket size (default 25, as torch DDP);
+    compile: True, or a dict of `torch.compile` options: the fast path runs the module's
+    forward on local tensors through `torch.compile` (plain tensors, as compiled torch
+    DDP), and everything around it eagerly; False (default) turns it off.
     """
     from sbp.errors import SbpError
 
+    if compile is not None and not isinstance(compile, (bool, dict)):
+        raise SbpError(
+            f"compile must be True, False or a dict of torch.compile options, got {compile!r}"
+        )
     s = state(module)
+    if compile is not None:
+        s.compile_options = (
+            None if compile is False else dict(compile if compile is not True else {})
+        )
+        s._compiled, s._compile_declined = None, False
     if batch_norm is not None:
         if batch_norm not in ("global", "local"):
             raise SbpError(f"batch_norm must be 'global' or 'local', got {batch_norm!r}")
