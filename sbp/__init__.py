@@ -51,8 +51,9 @@ def _install_methods() -> None:
             register_optimizer_step_pre_hook,
         )
 
-        from sbp.ops.optim import prefer_foreach, restore_foreach
+        from sbp.optim_step import install, prefer_foreach, restore_foreach
 
+        register_optimizer_step_pre_hook(install)  # steps after the first run on locals
         register_optimizer_step_pre_hook(prefer_foreach)
         register_optimizer_step_post_hook(restore_foreach)
 

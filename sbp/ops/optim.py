@@ -27,38 +27,6 @@ LOCAL_STATE_OPS.update(
 )
 
 
-def prefer_foreach(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Step pre-hook: a param group of global tensors left to torch's choice (foreach=None)
-    steps with foreach kernels, one list op per update instead of one op per tensor.
-
-    torch chooses per-tensor loops on CPU, where each op on a global tensor costs ~10 us of
-    Python dispatch (474 ops per mobilenet_v2 SGD step); the list ops compute the same
-    elementwise updates. The group's choice is put back after the step."""
-    from sbp.tensor import GlobalTensor
-
-    for group in optimizer.param_groups:
-        if (
-            "foreach" in group
-            and group["foreach"] is None
-            and not group.get("fused")
-            and not group.get("differentiable")
-            and group["params"]
-            and all(type(p) is GlobalTensor for p in group["params"])
-        ):
-            group["foreach"] = True
-            group[_CHOSEN] = True
-
-
-def restore_foreach(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Step post-hook: undo `prefer_foreach` (state_dict keeps the user's choice)."""
-    for group in optimizer.param_groups:
-        if group.pop(_CHOSEN, False):
-            group["foreach"] = None
-
-
-_CHOSEN = "_sbp_chose_foreach"
-
-
 def is_list_op(func) -> bool:
     """Ops whose first argument is a list of tensors."""
     args = func._schema.arguments

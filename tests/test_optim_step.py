@@ -1,0 +1,201 @@
+"""Optimizer steps on the locals of broadcast global parameters (sbp.optim_step).
+
+Every test trains the same float64 model with plain torch and with global tensors in one
+process (a world of one: a broadcast local is the whole tensor, as on every rank of a
+bigger world) and compares parameters and optimizer state; it also checks that the
+steps after the first really ran on the locals (or, where they must not, did not).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import sbp
+from sbp import optim_step
+
+B = sbp.broadcast
+P1 = sbp.placement("cpu", [0])
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 7)
+        self.b = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd-foreach-off": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=False),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+}
+
+
+def _batches(steps=4):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(6, 5, generator=g, dtype=torch.float64) for _ in range(steps)]
+
+
+def _models():
+    torch.manual_seed(0)
+    plain = Net().double()
+    glob = copy.deepcopy(plain).to_global(P1, B)
+    return plain, glob
+
+
+def _loss(model, x):
+    if any(p.is_global for p in model.parameters()):
+        x = sbp.to_global(x, P1, sbp.split(0))
+    return model(x).square().mean()
+
+
+@pytest.fixture
+def swaps(monkeypatch):
+    """How many steps ran on the locals."""
+    made = []
+    make = optim_step._Swap.make
+
+    def counting(optimizer):
+        swap = make(optimizer)
+        made.append(swap is not None)
+        return swap
+
+    monkeypatch.setattr(optim_step._Swap, "make", staticmethod(counting))
+    return made
+
+
+def _train(model, opt, batches, between=None):
+    for i, x in enumerate(batches):
+        opt.zero_grad()
+        _loss(model, x).backward()
+        if between is not None:
+            between(i)
+        opt.step()
+
+
+def _assert_same(plain, glob, popt, gopt):
+    for p, g in zip(plain.parameters(), glob.parameters(), strict=True):
+        torch.testing.assert_close(g.full_tensor(), p.detach(), rtol=1e-12, atol=1e-12)
+    for p, g in zip(plain.parameters(), glob.parameters(), strict=True):
+        want, got = popt.state[p], gopt.state[g]
+        assert set(want) == set(got)
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert type(got[k]) is sbp.GlobalTensor and tuple(got[k].sbp) == (B,)
+                torch.testing.assert_close(got[k].full_tensor(), v, rtol=1e-12, atol=1e-12)
+            else:
+                assert float(got[k]) == float(v)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_steps_on_locals_equal_plain_torch(name, swaps):
+    plain, glob = _models()
+    popt, gopt = OPTIMIZERS[name](plain.parameters()), OPTIMIZERS[name](glob.parameters())
+    batches = _batches()
+    _train(plain, popt, batches)
+    _train(glob, gopt, batches)
+    assert swaps == [True] * (len(batches) - 1)  # the first step creates the state
+    _assert_same(plain, glob, popt, gopt)
+    assert all(type(p) is sbp.GlobalTensor for g in gopt.param_groups for p in g["params"])
+    assert all(p._local.grad is None for p in glob.parameters())
+    assert gopt.param_groups[0].get("foreach") == popt.param_groups[0].get("foreach")
+
+
+def test_lr_schedulers_made_before_and_after_the_first_step(swaps):
+    plain, glob = _models()
+    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    psched = torch.optim.lr_scheduler.StepLR(popt, step_size=1, gamma=0.5)
+    gsched = torch.optim.lr_scheduler.StepLR(gopt, step_size=1, gamma=0.5)
+    batches = _batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for model, opt, sched in ((plain, popt, psched), (glob, gopt, gsched)):
+            _train(model, opt, batches[:2], between=None)
+            sched.step()
+            late = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)  # made after install
+            _train(model, opt, batches[2:])
+            late.step()
+            sched.step()
+    assert gopt.param_groups[0]["lr"] == popt.param_groups[0]["lr"]
+    assert swaps == [True] * 3
+    _assert_same(plain, glob, popt, gopt)
+
+
+def test_a_step_that_raises_puts_everything_back(swaps):
+    plain, glob = _models()
+    popt, gopt = OPTIMIZERS["adamw"](plain.parameters()), OPTIMIZERS["adamw"](glob.parameters())
+    batches = _batches(3)
+    _train(plain, popt, batches[:2])
+    _train(glob, gopt, batches[:2])
+    fail = [True]
+
+    def hook(optimizer, args, kwargs):
+        if fail[0]:
+            raise RuntimeError("step refused")
+
+    handle = gopt.register_step_pre_hook(hook)
+    gopt.zero_grad()
+    _loss(glob, batches[2]).backward()
+    with pytest.raises(RuntimeError, match="step refused"):
+        gopt.step()
+    assert all(type(p) is sbp.GlobalTensor for p in gopt.param_groups[0]["params"])
+    assert all(type(k) is sbp.GlobalTensor for k in gopt.state)
+    assert gopt.param_groups[0]["foreach"] is None
+    fail[0] = False
+    handle.remove()
+    gopt.step()  # the same gradients, stepped now
+    popt.zero_grad()
+    _loss(plain, batches[2]).backward()
+    popt.step()
+    _assert_same(plain, glob, popt, gopt)
+
+
+def test_steps_that_stay_global(swaps):
+    """A closure (it runs backward) and a group with a parameter that is not broadcast
+    step on the global tensors, and still equal plain torch."""
+    plain, glob = _models()
+    glob.b.weight = torch.nn.Parameter(glob.b.weight.to_global(sbp=sbp.split(0)))
+    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    batches = _batches(3)
+    _train(plain, popt, batches)
+    _train(glob, gopt, batches)
+    assert swaps == [False, False]
+
+    plain, glob = _models()
+    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    swaps.clear()
+    for model, opt in ((plain, popt), (glob, gopt)):
+        for x in batches:
+
+            def closure(model=model, opt=opt, x=x):
+                opt.zero_grad()
+                loss = _loss(model, x)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    assert swaps == []  # (a closure never swaps)
+    _assert_same(plain, glob, popt, gopt)
+
+
+def test_state_dict_after_local_steps_loads_into_a_fresh_optimizer(swaps):
+    plain, glob = _models()
+    popt, gopt = OPTIMIZERS["adamw"](plain.parameters()), OPTIMIZERS["adamw"](glob.parameters())
+    batches = _batches(4)
+    _train(plain, popt, batches[:2])
+    _train(glob, gopt, batches[:2])
+    fresh = OPTIMIZERS["adamw"](glob.parameters())
+    fresh.load_state_dict(gopt.state_dict())
+    _train(plain, popt, batches[2:])
+    _train(glob, fresh, batches[2:])
+    # the second step of each (an optimizer's first step installs the local one)
+    assert swaps == [True, True]
+    _assert_same(plain, glob, popt, fresh)
