@@ -149,6 +149,53 @@ def test_data_parallel_step_never_waits_for_the_gpu():
         torch.testing.assert_close(p.full_tensor(), q)
 
 
+def test_compiled_local_forward_on_the_gpu():
+    """`data_parallel(model, compile=True)` on CUDA: Inductor compiles the local forward
+    (plain CUDA tensors); three steps equal plain torch's, and the later ones queue their
+    GPU work without a host sync."""
+    P = _placement()
+    torch.manual_seed(0)
+    model = (
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, 10),
+        )
+        .double()
+        .cuda()
+    )
+    ref = copy.deepcopy(model)
+    model.to_global(P, B)
+    sbp.nn.data_parallel(model, compile=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(8, 3, 16, 16, device="cuda", dtype=torch.float64)
+    y = torch.randint(0, 10, (8,), device="cuda")
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = [step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0)) for _ in "ab"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses.append(step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    for loss in losses:
+        torch.testing.assert_close(loss.full_tensor(), step(ref, ref_opt, x, y))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q)
+
+
 # ---------------------------------------------------------------- two ranks on one GPU
 
 
