@@ -8,21 +8,22 @@ plus sbp's list rule, ~0.3 ms per op for mobilenet_v2's 158 parameters on CPU, t
 per SGD step. And torch picks its kernels (foreach, fused) as it does for plain tensors.
 
 An optimizer's first step runs on the global tensors, through the list rules
-(`sbp.ops.optim`); it creates the state, and `install` (a global step pre-hook) gives
-the optimizer a `step` of its own. Every later step puts, for each group that qualifies,
-the locals in `group["params"]` (their `.grad` the gradients' locals) and the state
-under them (its global tensors' locals), steps, and puts everything back, also when
-the step raises; state tensors the step replaced come back as global tensors. A group
-with a tensor that is not broadcast (tensor-parallel weights, a `no_sync` partial
-gradient) or a parameter without state, a step given a closure (it runs backward),
-and a step being traced run on the global tensors as before. Step hooks registered on
-the optimizer see the locals.
+(`sbp.ops.optim`), and `install` (a global step pre-hook) gives the optimizer a `step`
+of its own. Every later step puts, for each group that qualifies, the locals in
+`group["params"]` (their `.grad` the gradients' locals) and, in the optimizer's state,
+each local's state under it (its global tensors' locals); steps; and puts everything
+back, also when the step raises: state the step made or replaced comes back global
+(0-dim numbers such as step counts stay plain, as torch makes them), and gradients a
+step hook set or dropped on the locals become the parameters'. A group with a tensor
+that is not broadcast (tensor-parallel weights, a `no_sync` partial gradient), a
+differentiable group, a step given a closure (it runs backward) and a step being
+traced run on the global tensors as before. Step hooks registered on the optimizer
+see the locals.
 """
 
 from __future__ import annotations
 
 import types
-from collections import defaultdict
 from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any
@@ -116,72 +117,93 @@ def _step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
 class _Swap:
     """The locals put in an optimizer's qualifying groups and state for one step."""
 
-    def __init__(self, optimizer, groups, state, graded, kept):
+    def __init__(self, optimizer, groups, grads):
         self.optimizer = optimizer
-        self.groups = groups  # [(group, its global params, their locals)]
-        self.state = state  # the optimizer's own state (keyed by global params)
-        self.graded = graded  # the locals given a .grad
-        self.kept = kept  # [(param, its state, the local state, the local values put there)]
+        self.groups = groups  # [(group, its global params, their locals, their states)]
+        self.grads = grads  # per group, the .grad given to each local
 
     @staticmethod
     def make(optimizer: torch.optim.Optimizer) -> _Swap | None:
         state = optimizer.state
-        groups, states = [], []
+        groups = []
         for g in optimizer.param_groups:
-            sts = _qualifying_states(g["params"], state)
+            sts = _qualifying_states(g, state)
             if sts is not None:
-                groups.append((g, g["params"], list(map(_LOCAL, g["params"]))))
-                states.append(sts)
+                groups.append((g, g["params"], list(map(_LOCAL, g["params"])), sts))
         if not groups:
             return None
-        local_state = defaultdict(dict, state)  # (other groups' entries as they are)
-        graded, kept = [], []
+        grads = []
         try:
-            for (_, params, locals_), sts in zip(groups, states, strict=True):
-                for p, local, st in zip(params, locals_, sts, strict=True):
-                    grad = p.grad
-                    if grad is not None:
-                        local.grad = grad._local
-                        graded.append(local)
-                    if st:
-                        values = [v._local if type(v) is GlobalTensor else v for v in st.values()]
-                        local_state[local] = stepped = dict(zip(st, values, strict=True))
-                        kept.append((p, local, st, stepped, values))
+            for _, params, locals_, _ in groups:
+                given = [None if grad is None else grad._local for grad in map(_GRAD, params)]
+                grads.append(given)
+                for local, grad in zip(locals_, given, strict=True):
+                    local.grad = grad
         except RuntimeError:  # a gradient torch refuses for its parameter (dtype, shape)
-            for local in graded:
-                local.grad = None
+            for _, _, locals_, _ in groups:
+                for local in locals_:
+                    local.grad = None
             return None
-        for g, _, locals_ in groups:
+        # The state of a local is kept under it in the optimizer's own state for the step,
+        # so whatever else the step does to the state stays.
+        for g, _, locals_, sts in groups:
+            for local, st in zip(locals_, sts, strict=True):
+                if st is not None:
+                    state[local] = {
+                        k: v._local if type(v) is GlobalTensor else v for k, v in st.items()
+                    }
             _prefer_foreach(g)  # (while its params are global)
             g["params"] = locals_
-        optimizer.state = local_state
-        return _Swap(optimizer, groups, state, graded, kept)
+        return _Swap(optimizer, groups, grads)
 
     def undo(self) -> None:
-        local_state = self.optimizer.state
-        self.optimizer.state = self.state
-        for g, params, _ in self.groups:
+        state = self.optimizer.state
+        for (g, params, locals_, sts), given in zip(self.groups, self.grads, strict=True):
             g["params"] = params
             _restore_foreach(g)  # (the post-hook did, unless the step raised)
-        for local in self.graded:
-            local.grad = None
-        for p, local, st, stepped, values in self.kept:
-            now = local_state.get(local)
-            if (
-                now is not stepped
-                or len(now) != len(values)
-                or not all(map(is_, now.values(), values))
-            ):
-                _put_back(p, now or {}, st)
+            now = list(map(_GRAD, locals_))
+            if not all(map(is_, now, given)):  # (a step hook set or dropped gradients)
+                _grads_back(params, now, given)
+            for p, local, st in zip(params, locals_, sts, strict=True):
+                local.grad = None
+                stepped = state.pop(local, None)
+                if stepped is None:
+                    continue
+                if st is None:
+                    st = state[p]
+                elif len(stepped) == len(st) and all(
+                    map(_is_local_of, stepped.values(), st.values())
+                ):
+                    continue  # (updated in place: the usual step)
+                _put_back(p, stepped, st)
+
+
+def _is_local_of(v: Any, old: Any) -> bool:
+    return v is old or (type(old) is GlobalTensor and old._local is v)
+
+
+def _grads_back(params: list, now: list, given: list) -> None:
+    """Gradients a step hook changed on the locals, made the parameters' gradients."""
+    for p, grad, before in zip(params, now, given, strict=True):
+        if grad is before:
+            continue
+        if grad is None:
+            p.grad = None
+        else:
+            spec = p._spec
+            p.grad = GlobalTensor(
+                grad, GlobalSpec(spec.placement, spec.nd_sbp, tuple(grad.shape), grad.dtype)
+            )
 
 
 def _put_back(p: GlobalTensor, stepped: dict, st: dict) -> None:
     """Write a parameter's state after a local step into its global state: a local of a
     global tensor it had stays that tensor (updated in place); a new tensor in place of a
-    global one, or a new tensor shaped like a parameter's state, becomes global."""
+    global one, or a new tensor that is not a number (0-dim, as torch's step counts),
+    becomes global."""
     for k, v in stepped.items():
         old = st.get(k)
-        if old is v or (type(old) is GlobalTensor and old._local is v):
+        if _is_local_of(v, old):
             continue
         if type(v) is torch.Tensor and (
             type(old) is GlobalTensor or (old is None and v.dim() > 0 and v.device == p.device)
@@ -193,12 +215,17 @@ def _put_back(p: GlobalTensor, stepped: dict, st: dict) -> None:
         del st[k]
 
 
-def _qualifying_states(params: list, state: dict) -> list | None:
+def _qualifying_states(group: dict, state: dict) -> list | None:
     """Each parameter's state (None where it has none) when every parameter, gradient and
-    state tensor is broadcast global on one placement that holds this rank (so each local
-    is the whole tensor) and every parameter with a gradient has its state already; else
-    None."""
-    if not params or not all(map(is_, map(type, params), repeat(GlobalTensor))):
+    state tensor of the group is broadcast global on one placement that holds this rank (so
+    each local is the whole tensor); else None. A differentiable group stays global (its
+    update is part of an autograd graph of the global tensors)."""
+    params = group["params"]
+    if (
+        not params
+        or group.get("differentiable")
+        or not all(map(is_, map(type, params), repeat(GlobalTensor)))
+    ):
         return None
     specs = list(map(_SPEC, params))
     placement = specs[0].placement
@@ -219,10 +246,8 @@ def _qualifying_states(params: list, state: dict) -> list | None:
     ):
         return None
     sts = list(map(state.get, params))
-    for p, st in zip(params, sts, strict=True):
+    for st in sts:
         if not st:
-            if p.grad is not None:
-                return None  # its first step creates the state as global tensors
             continue
         for v in st.values():
             if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor:

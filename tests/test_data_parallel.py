@@ -845,3 +845,46 @@ def test_compile_option_is_checked():
     assert sbp.nn.fast_path.state(model).compile_options == {"mode": "default"}
     sbp.nn.data_parallel(model, compile=False)
     assert sbp.nn.fast_path.state(model).compile_options is None
+
+
+def _adapting_batch_norm(x, compile_local, batch_norm):
+    """A model in eval mode whose BatchNorm is in train mode (test-time adaptation of its
+    statistics), one forward without grad."""
+    import warnings
+
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    options = {"backend": "aot_eager"} if compile_local else None
+    sbp.nn.data_parallel(model, batch_norm=batch_norm, compile=options)
+    model.eval()
+    model.bn.train()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        out = model(_global(x, P))
+    state = sbp.nn.fast_path.state(model)
+    return state.last_path, out.full_tensor(), model.bn.running_mean.to_local()
+
+
+@pytest.mark.parametrize("compile_local", [False, True])
+def test_batch_norm_in_train_mode_inside_a_model_in_eval_mode(pool2, compile_local):
+    """What the checking pass recorded decides, not the model's own mode: logical BatchNorm
+    equals one process (the compiled local forward declines it), and per-shard running
+    statistics are the first rank's on both ranks."""
+    x, _ = _data(n=8, steps=1, shape=(3, 5, 5), classes=4)[0]
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    ref.eval()
+    ref.bn.train()
+    shard = copy.deepcopy(ref)
+    with torch.no_grad():
+        want, _ = ref(x), shard(x[:4])
+    logical = pool2.run(_adapting_batch_norm, x, compile_local, "global")
+    for path, out, running_mean in logical:
+        assert path == "fast"
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(running_mean, ref.bn.running_mean, rtol=1e-12, atol=1e-12)
+    for _, _, running_mean in pool2.run(_adapting_batch_norm, x, compile_local, "local"):
+        torch.testing.assert_close(running_mean, shard.bn.running_mean, rtol=1e-12, atol=1e-12)

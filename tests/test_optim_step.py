@@ -199,3 +199,80 @@ def test_state_dict_after_local_steps_loads_into_a_fresh_optimizer(swaps):
     # the second step of each (an optimizer's first step installs the local one)
     assert swaps == [True, True]
     _assert_same(plain, glob, popt, fresh)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_state_made_during_a_local_step_is_kept(name, swaps):
+    """A group unfrozen after some steps gets its state in a step on the locals (whose
+    other group already has state): it stays, global where the per-op path makes it so."""
+    plain, glob = _models()
+
+    def groups(m):
+        return [{"params": m.a.parameters()}, {"params": m.b.parameters(), "lr": 0.02}]
+
+    popt, gopt = OPTIMIZERS[name](groups(plain)), OPTIMIZERS[name](groups(glob))
+    batches = _batches(5)
+    for model, opt in ((plain, popt), (glob, gopt)):
+
+        def unfreeze(i, model=model):
+            return [p.requires_grad_(i >= 2) for p in model.b.parameters()]
+
+        for i, x in enumerate(batches):
+            unfreeze(i)
+            opt.zero_grad()
+            _loss(model, x).backward()
+            opt.step()
+    assert swaps == [True] * 4
+    _assert_same(plain, glob, popt, gopt)
+    assert all(type(k) is sbp.GlobalTensor for k in gopt.state)
+
+
+def test_sgd_without_momentum_steps_on_locals(swaps):
+    """(It keeps no state at all.)"""
+    plain, glob = _models()
+    popt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    gopt = torch.optim.SGD(glob.parameters(), lr=0.1)
+    batches = _batches()
+    _train(plain, popt, batches)
+    _train(glob, gopt, batches)
+    assert swaps == [True] * 3 and len(gopt.state) == 0
+    _assert_same(plain, glob, popt, gopt)
+
+
+def test_gradients_a_step_hook_changes_reach_the_parameters(swaps):
+    """A post-hook that zeroes the gradients (set to None) on the locals drops the
+    parameters' gradients too, so the next backward does not add to stale ones."""
+    plain, glob = _models()
+    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    for opt in (popt, gopt):
+        opt.register_step_post_hook(lambda o, args, kwargs: o.zero_grad())
+    for model, opt in ((plain, popt), (glob, gopt)):
+        for x in _batches():
+            _loss(model, x).backward()  # no zero_grad here: the hook does it
+            opt.step()
+    assert swaps == [True] * 3
+    assert all(p.grad is None for p in glob.parameters())
+    _assert_same(plain, glob, popt, gopt)
+
+
+def _unrolled_meta_gradient(glob: bool) -> torch.Tensor:
+    """Three differentiable SGD steps of a non-leaf parameter, differentiated through."""
+    torch.manual_seed(0)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    leaf = w.to_global(P1, B) if glob else w
+    p = leaf * 1.0
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, differentiable=True)
+    for _ in range(3):
+        (grad,) = torch.autograd.grad((p * p).sum(), p, create_graph=True)
+        p.grad = grad
+        opt.step()
+    meta = p.full_tensor().sum() if glob else p.sum()
+    (got,) = torch.autograd.grad(meta, leaf)
+    return got.full_tensor() if glob else got
+
+
+def test_a_differentiable_group_stays_global(swaps):
+    torch.testing.assert_close(
+        _unrolled_meta_gradient(True), _unrolled_meta_gradient(False), rtol=1e-12, atol=1e-12
+    )
+    assert swaps == [False, False]

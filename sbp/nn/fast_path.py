@@ -580,15 +580,15 @@ class DataParallel:
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
         self._prepare_reducer(data_nd)
         run = _Run(self, layout, data_nd)
-        training = self._module_ref.training
         compiled = self._compiled_forward(run, layout)
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if compiled is not None:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
             forward, local_ops = compiled, contextlib.nullcontext()
-            if training and len(run.group) > 1:
+            if len(run.group) > 1:
                 run.to_sync = self._running_statistics()
-        elif not training:
+        elif not (layout.bn_counts or layout.dropouts):
+            # no train-mode BatchNorm or dropout (whatever the module's own mode says)
             forward, local_ops = self._original, contextlib.nullcontext()
         elif layout.in_modules:
             # A batch in one part: each BatchNorm module's own forward is the logical one
@@ -621,16 +621,17 @@ class DataParallel:
         logical BatchNorm over several ranks, which the eager run intercepts per call."""
         if self.compile_options is None:
             return None
-        if self._module_ref.training and (
-            (layout.bn_counts and len(run.group) > 1 and self.batch_norm == "global")
-            or not layout.in_modules
+        # (what the checking pass recorded, not module.training: a BatchNorm submodule
+        # may be in train mode inside a model in eval mode, as when adapting statistics)
+        if layout.bn_counts and (
+            (len(run.group) > 1 and self.batch_norm == "global") or not layout.in_modules
         ):
             if not self._compile_declined:
                 self._compile_declined = True
                 why = (
                     "logical BatchNorm over several ranks"
                     if layout.in_modules
-                    else "F.batch_norm or F.dropout called outside BatchNorm and Dropout modules"
+                    else "F.batch_norm called outside BatchNorm modules"
                 )
                 warnings.warn(
                     f"sbp: {type(self._module_ref).__name__} runs its local forward eagerly, "
