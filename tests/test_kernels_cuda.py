@@ -113,87 +113,69 @@ def test_data_parallel_fast_path_on_one_gpu(batch_norm):
     assert paths == ["fast"] * 3
 
 
-def test_data_parallel_step_never_waits_for_the_gpu():
-    """After the first (checking) step, to_global of a batch, the local forward, backward and
-    the optimizer step queue GPU work without a host sync (torch's sync debug mode raises on
-    one), as a plain torch step does; the steps equal plain torch's."""
-    torchvision = pytest.importorskip("torchvision")
+def _sgd_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _steps_without_host_sync(model, image_shape, warm: int, **options) -> None:
+    """`warm` steps of the global copy of `model` (data_parallel `options`), then one more
+    under torch's sync debug mode, which raises on a host sync; every step equals plain
+    torch's on the same batch."""
     P = _placement()
-    torch.manual_seed(0)
-    model = torchvision.models.mobilenet_v2(num_classes=10).double().cuda()
     ref = copy.deepcopy(model)
     model.to_global(P, B)
+    sbp.nn.data_parallel(model, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(8, 3, 32, 32, device="cuda", dtype=torch.float64)
+    x = torch.randn(8, *image_shape, device="cuda", dtype=torch.float64)
     y = torch.randint(0, 10, (8,), device="cuda")
 
-    def step(model, opt, x, y):
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss
+    def step():
+        return _sgd_step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0))
 
-    losses = [step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0))]
+    losses = [step() for _ in range(warm)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        losses.append(step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0)))
+        losses.append(step())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sbp.nn.fast_path.state(model).last_path == "fast"
     for loss in losses:
-        torch.testing.assert_close(loss.full_tensor(), step(ref, ref_opt, x, y))
+        torch.testing.assert_close(loss.full_tensor(), _sgd_step(ref, ref_opt, x, y))
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q)
+
+
+def test_data_parallel_step_never_waits_for_the_gpu():
+    """After the first (checking) step, to_global of a batch, the local forward, backward and
+    the optimizer step (on the locals from the second) queue GPU work without a host sync,
+    as a plain torch step does; the steps equal plain torch's."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(num_classes=10).double().cuda()
+    _steps_without_host_sync(model, (3, 32, 32), warm=1)
 
 
 def test_compiled_local_forward_on_the_gpu():
     """`data_parallel(model, compile=True)` on CUDA: Inductor compiles the local forward
-    (plain CUDA tensors); three steps equal plain torch's, and the later ones queue their
-    GPU work without a host sync."""
-    P = _placement()
+    (plain CUDA tensors); the steps equal plain torch's, and the third queues its GPU work
+    without a host sync."""
     torch.manual_seed(0)
-    model = (
-        torch.nn.Sequential(
-            torch.nn.Conv2d(3, 8, 3, padding=1),
-            torch.nn.BatchNorm2d(8),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1),
-            torch.nn.Flatten(),
-            torch.nn.Linear(8, 10),
-        )
-        .double()
-        .cuda()
-    )
-    ref = copy.deepcopy(model)
-    model.to_global(P, B)
-    sbp.nn.data_parallel(model, compile=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(8, 3, 16, 16, device="cuda", dtype=torch.float64)
-    y = torch.randint(0, 10, (8,), device="cuda")
-
-    def step(model, opt, x, y):
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss
-
-    losses = [step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0)) for _ in "ab"]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        losses.append(step(model, opt, sbp.to_global(x, P, S0), sbp.to_global(y, P, S0)))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert sbp.nn.fast_path.state(model).last_path == "fast"
-    for loss in losses:
-        torch.testing.assert_close(loss.full_tensor(), step(ref, ref_opt, x, y))
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q)
+    layers = [
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 10),
+    ]
+    model = torch.nn.Sequential(*layers).double().cuda()
+    _steps_without_host_sync(model, (3, 16, 16), warm=2, compile=True)
 
 
 # ---------------------------------------------------------------- two ranks on one GPU

@@ -51,6 +51,12 @@ def _models():
     return plain, glob
 
 
+def _pair(name):
+    """The plain and the global model, each with its optimizer `name`."""
+    plain, glob = _models()
+    return plain, glob, OPTIMIZERS[name](plain.parameters()), OPTIMIZERS[name](glob.parameters())
+
+
 def _loss(model, x):
     if any(p.is_global for p in model.parameters()):
         x = sbp.to_global(x, P1, sbp.split(0))
@@ -97,8 +103,7 @@ def _assert_same(plain, glob, popt, gopt):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_steps_on_locals_equal_plain_torch(name, swaps):
-    plain, glob = _models()
-    popt, gopt = OPTIMIZERS[name](plain.parameters()), OPTIMIZERS[name](glob.parameters())
+    plain, glob, popt, gopt = _pair(name)
     batches = _batches()
     _train(plain, popt, batches)
     _train(glob, gopt, batches)
@@ -110,8 +115,7 @@ def test_steps_on_locals_equal_plain_torch(name, swaps):
 
 
 def test_lr_schedulers_made_before_and_after_the_first_step(swaps):
-    plain, glob = _models()
-    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    plain, glob, popt, gopt = _pair("sgd")
     psched = torch.optim.lr_scheduler.StepLR(popt, step_size=1, gamma=0.5)
     gsched = torch.optim.lr_scheduler.StepLR(gopt, step_size=1, gamma=0.5)
     batches = _batches()
@@ -130,8 +134,7 @@ def test_lr_schedulers_made_before_and_after_the_first_step(swaps):
 
 
 def test_a_step_that_raises_puts_everything_back(swaps):
-    plain, glob = _models()
-    popt, gopt = OPTIMIZERS["adamw"](plain.parameters()), OPTIMIZERS["adamw"](glob.parameters())
+    plain, glob, popt, gopt = _pair("adamw")
     batches = _batches(3)
     _train(plain, popt, batches[:2])
     _train(glob, gopt, batches[:2])
@@ -169,8 +172,7 @@ def test_steps_that_stay_global(swaps):
     _train(glob, gopt, batches)
     assert swaps == [False, False]
 
-    plain, glob = _models()
-    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    plain, glob, popt, gopt = _pair("sgd")
     swaps.clear()
     for model, opt in ((plain, popt), (glob, gopt)):
         for x in batches:
@@ -187,8 +189,7 @@ def test_steps_that_stay_global(swaps):
 
 
 def test_state_dict_after_local_steps_loads_into_a_fresh_optimizer(swaps):
-    plain, glob = _models()
-    popt, gopt = OPTIMIZERS["adamw"](plain.parameters()), OPTIMIZERS["adamw"](glob.parameters())
+    plain, glob, popt, gopt = _pair("adamw")
     batches = _batches(4)
     _train(plain, popt, batches[:2])
     _train(glob, gopt, batches[:2])
@@ -242,8 +243,7 @@ def test_sgd_without_momentum_steps_on_locals(swaps):
 def test_gradients_a_step_hook_changes_reach_the_parameters(swaps):
     """A post-hook that zeroes the gradients (set to None) on the locals drops the
     parameters' gradients too, so the next backward does not add to stale ones."""
-    plain, glob = _models()
-    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    plain, glob, popt, gopt = _pair("sgd")
     for opt in (popt, gopt):
         opt.register_step_post_hook(lambda o, args, kwargs: o.zero_grad())
     for model, opt in ((plain, popt), (glob, gopt)):
