@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from sbp import env
-from sbp.layout import GlobalSpec
 from sbp.ops.optim import _all_are
 from sbp.signature import broadcast, normalize_nd_sbp
 from sbp.tensor import GlobalTensor
@@ -86,8 +85,10 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     The new `step` is a method of the instance that calls the one found there (torch's,
     or an LR scheduler's wrapper of it, whose mark it carries), so schedulers made before
     or after still see the optimizer step."""
+    # (one look per group: a group qualifies only if all its params are global, and this
+    # runs before every step of every optimizer, plain torch ones too)
     if _GLOBAL_STEP in optimizer.__dict__ or not any(
-        type(p) is GlobalTensor for g in optimizer.param_groups for p in g["params"]
+        g["params"] and type(g["params"][0]) is GlobalTensor for g in optimizer.param_groups
     ):
         return
     global_step = optimizer.step
@@ -117,10 +118,10 @@ def _step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
 class _Swap:
     """The locals put in an optimizer's qualifying groups and state for one step."""
 
-    def __init__(self, optimizer, groups, grads):
+    def __init__(self, optimizer, groups):
         self.optimizer = optimizer
-        self.groups = groups  # [(group, its global params, their locals, their states)]
-        self.grads = grads  # per group, the .grad given to each local
+        # [(group, its global params, their locals, their states, the .grad given to each)]
+        self.groups = groups
 
     @staticmethod
     def make(optimizer: torch.optim.Optimizer) -> _Swap | None:
@@ -129,24 +130,23 @@ class _Swap:
         for g in optimizer.param_groups:
             sts = _qualifying_states(g, state)
             if sts is not None:
-                groups.append((g, g["params"], list(map(_LOCAL, g["params"])), sts))
+                params = g["params"]
+                given = [None if grad is None else grad._local for grad in map(_GRAD, params)]
+                groups.append((g, params, list(map(_LOCAL, params)), sts, given))
         if not groups:
             return None
-        grads = []
         try:
-            for _, params, locals_, _ in groups:
-                given = [None if grad is None else grad._local for grad in map(_GRAD, params)]
-                grads.append(given)
+            for _, _, locals_, _, given in groups:
                 for local, grad in zip(locals_, given, strict=True):
                     local.grad = grad
         except RuntimeError:  # a gradient torch refuses for its parameter (dtype, shape)
-            for _, _, locals_, _ in groups:
+            for _, _, locals_, _, _ in groups:
                 for local in locals_:
                     local.grad = None
             return None
         # The state of a local is kept under it in the optimizer's own state for the step,
         # so whatever else the step does to the state stays.
-        for g, _, locals_, sts in groups:
+        for g, _, locals_, sts, _ in groups:
             for local, st in zip(locals_, sts, strict=True):
                 if st is not None:
                     state[local] = {
@@ -154,11 +154,11 @@ class _Swap:
                     }
             _prefer_foreach(g)  # (while its params are global)
             g["params"] = locals_
-        return _Swap(optimizer, groups, grads)
+        return _Swap(optimizer, groups)
 
     def undo(self) -> None:
         state = self.optimizer.state
-        for (g, params, locals_, sts), given in zip(self.groups, self.grads, strict=True):
+        for g, params, locals_, sts, given in self.groups:
             g["params"] = params
             _restore_foreach(g)  # (the post-hook did, unless the step raised)
             now = list(map(_GRAD, locals_))
@@ -187,13 +187,7 @@ def _grads_back(params: list, now: list, given: list) -> None:
     for p, grad, before in zip(params, now, given, strict=True):
         if grad is before:
             continue
-        if grad is None:
-            p.grad = None
-        else:
-            spec = p._spec
-            p.grad = GlobalTensor(
-                grad, GlobalSpec(spec.placement, spec.nd_sbp, tuple(grad.shape), grad.dtype)
-            )
+        p.grad = None if grad is None else _whole_like(p, grad)
 
 
 def _put_back(p: GlobalTensor, stepped: dict, st: dict) -> None:
@@ -208,11 +202,15 @@ def _put_back(p: GlobalTensor, stepped: dict, st: dict) -> None:
         if type(v) is torch.Tensor and (
             type(old) is GlobalTensor or (old is None and v.dim() > 0 and v.device == p.device)
         ):
-            spec = p._spec
-            v = GlobalTensor(v, GlobalSpec(spec.placement, spec.nd_sbp, tuple(v.shape), v.dtype))
+            v = _whole_like(p, v)
         st[k] = v
     for k in [k for k in st if k not in stepped]:
         del st[k]
+
+
+def _whole_like(p: GlobalTensor, local: torch.Tensor) -> GlobalTensor:
+    """`local` as a global tensor laid out as `p` (broadcast: it is the whole tensor)."""
+    return GlobalTensor(local, p._spec._replace(shape=tuple(local.shape), dtype=local.dtype))
 
 
 def _qualifying_states(group: dict, state: dict) -> list | None:
@@ -221,41 +219,29 @@ def _qualifying_states(group: dict, state: dict) -> list | None:
     each local is the whole tensor); else None. A differentiable group stays global (its
     update is part of an autograd graph of the global tensors)."""
     params = group["params"]
-    if (
-        not params
-        or group.get("differentiable")
-        or not all(map(is_, map(type, params), repeat(GlobalTensor)))
-    ):
+    if not params or group.get("differentiable") or type(params[0]) is not GlobalTensor:
         return None
-    specs = list(map(_SPEC, params))
-    placement = specs[0].placement
+    placement = params[0]._spec.placement
     whole = normalize_nd_sbp((broadcast,) * placement.ndim, placement.ndim)  # (interned)
-    if not (
-        _all_are(map(_ND_SBP, specs), whole)
-        and _all_are(map(_PLACEMENT, specs), placement)
-        and env.get_rank() in placement
-    ):
+    if not (_all_whole(params, whole, placement) and env.get_rank() in placement):
         return None
-    grads = [g for g in map(_GRAD, params) if g is not None]
-    if not all(map(is_, map(type, grads), repeat(GlobalTensor))):
-        return None
-    grad_specs = list(map(_SPEC, grads))
-    if not (
-        _all_are(map(_ND_SBP, grad_specs), whole)
-        and _all_are(map(_PLACEMENT, grad_specs), placement)
-    ):
+    if not _all_whole([g for g in map(_GRAD, params) if g is not None], whole, placement):
         return None
     sts = list(map(state.get, params))
-    for st in sts:
-        if not st:
-            continue
-        for v in st.values():
-            if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor:
-                if type(v) is not GlobalTensor:
-                    return None
-                spec = v._spec
-                if not (spec.nd_sbp is whole or spec.nd_sbp == whole) or not (
-                    spec.placement is placement or spec.placement == placement
-                ):
-                    return None
-    return sts
+    held = [
+        v
+        for st in sts
+        if st
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
+    ]  # (plain tensors in the state are numbers such as step counts)
+    return sts if _all_whole(held, whole, placement) else None
+
+
+def _all_whole(tensors: list, whole: tuple, placement) -> bool:
+    """Every tensor global, with signature `whole`, on `placement` (C loops: an optimizer
+    has hundreds of them, sharing their nd_sbp and placement objects)."""
+    if not all(map(is_, map(type, tensors), repeat(GlobalTensor))):
+        return False
+    specs = list(map(_SPEC, tensors))
+    return _all_are(map(_ND_SBP, specs), whole) and _all_are(map(_PLACEMENT, specs), placement)

@@ -586,7 +586,7 @@ class DataParallel:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
             forward, local_ops = compiled, contextlib.nullcontext()
             if len(run.group) > 1:
-                run.to_sync = self._running_statistics()
+                run.to_sync = [t._local for t in shard_batch_norm.running_statistics(self._special)]
         elif not (layout.bn_counts or layout.dropouts):
             # no train-mode BatchNorm or dropout (whatever the module's own mode says)
             forward, local_ops = self._original, contextlib.nullcontext()
@@ -642,16 +642,6 @@ class DataParallel:
         if self._compiled is None:
             self._compiled = torch.compile(self._original, **self.compile_options)
         return self._compiled
-
-    def _running_statistics(self) -> list[torch.Tensor]:
-        """The local running statistics that train-mode BatchNorm modules update."""
-        return [
-            t._local
-            for m in self._special
-            if isinstance(m, BATCH_NORMS) and m.training and m.track_running_stats
-            for t in (m.running_mean, m.running_var)
-            if t is not None
-        ]
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
@@ -795,9 +785,10 @@ def data_parallel(
         )
     s = state(module)
     if compile is not None:
-        s.compile_options = (
-            None if compile is False else dict(compile if compile is not True else {})
-        )
+        if compile is False:
+            s.compile_options = None
+        else:
+            s.compile_options = {} if compile is True else dict(compile)
         s._compiled, s._compile_declined = None, False
     if batch_norm is not None:
         if batch_norm not in ("global", "local"):

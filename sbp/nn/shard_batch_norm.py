@@ -89,18 +89,24 @@ def remove(modules: list[_BatchNorm]) -> None:
             del m.__dict__["forward"]
 
 
+def running_statistics(modules: list[torch.nn.Module]) -> list[GlobalTensor]:
+    """The running statistics that the BatchNorm modules among `modules` update in train
+    mode (a module's own mode: it may differ from its model's)."""
+    return [
+        t
+        for m in modules
+        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+        for t in (m.running_mean, m.running_var)
+        if isinstance(t, GlobalTensor)
+    ]
+
+
 def sync_statistics(modules: list[_BatchNorm], placement: Placement) -> None:
     """After a forward: every rank takes the first rank's running statistics (of the modules
     in train mode), in one collective. Traceable by Dynamo: plain attribute reads only."""
     if placement.size == 1:
         return
-    stats = [
-        t
-        for m in modules
-        if m.training and m.track_running_stats
-        for t in (m.running_mean, m.running_var)
-        if isinstance(t, GlobalTensor)
-    ]
+    stats = running_statistics(modules)
     if stats:
         with torch.no_grad():
             for t, new in zip(stats, torch.ops.sbp.first_rank_values(stats), strict=True):
