@@ -29,12 +29,15 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     grad = leaf.grad
     if not isinstance(grad, GlobalTensor):
         return
-    target = leaf._spec._replace(dtype=grad.dtype)
-    if grad._spec == target:
+    target = leaf._spec  # (runs once per parameter and step: no spec is rebuilt needlessly)
+    if grad.dtype != target.dtype:
+        target = target._replace(dtype=grad.dtype)
+    spec = grad._spec
+    if spec == target:
         return
-    if _bucketable(grad._spec, target):
+    if _bucketable(spec, target):
         if target.placement.size == 1:  # a sum over one rank: only the label changes
-            grad._spec = grad._spec._replace(nd_sbp=target.nd_sbp)
+            grad._spec = target  # (a gradient has its leaf's shape)
             return
         if not _pending:
             torch.autograd.Variable._execution_engine.queue_callback(flush)

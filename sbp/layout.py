@@ -127,6 +127,11 @@ class GlobalSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: Any
 
+    def __deepcopy__(self, memo: dict) -> GlobalSpec:
+        """Immutable: a copy is the spec itself. Dynamo deep-copies each traced tensor's
+        spec for its guards; comparing with the same object is then an identity check."""
+        return self
+
     def ranges(self, rank: int) -> list[tuple[int, int]]:
         """[start, stop) per tensor dim held by `rank` (which must be in the placement)."""
         return local_ranges(

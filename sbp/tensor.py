@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch._guards import TracingContext
 
 from sbp import boxing, comm, env, gradients
 from sbp.boxing.executor import empty_local, local_device
@@ -56,9 +57,12 @@ class GlobalTensor(torch.Tensor):
     # ------------------------------------------------------------ torch.compile
     def __tensor_flatten__(self):
         """For tracing: the local tensor is the one inner tensor; the spec is the context, so
-        Dynamo guards on placement, sbp and shape and recompiles when they change."""
-        _static_sizes(self)
-        _static_sizes(self._local)
+        Dynamo guards on placement, sbp and shape and recompiles when they change. Dynamo's
+        guards call this twice per global input on every call of a compiled function, so
+        the sizes are marked static only while a trace is being built."""
+        if TracingContext.try_get() is not None:
+            _static_sizes(self)
+            _static_sizes(self._local)
         return ["_local"], (self._spec, self.requires_grad)
 
     @staticmethod

@@ -269,7 +269,16 @@ _list_ops: set = set()
 observers: list = []
 
 
+# Ops whose output is a new view of the input's local tensor in the same layout: run at
+# once. Autograd detaches every parameter's gradient as it stores it (AccumulateGrad), so a
+# compiled step makes one such call per parameter.
+_SAME_LAYOUT_VIEWS = frozenset((torch.ops.aten.detach.default, torch.ops.aten.alias.default))
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    if func in _SAME_LAYOUT_VIEWS:
+        g = args[0]
+        return _global_type()(func._op(g._local), g._spec)
     if func in _list_ops:
         if observers:
             observers[-1].custom(func, args)
