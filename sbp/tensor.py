@@ -9,10 +9,12 @@ with the transposed conversion.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,8 +75,14 @@ class GlobalTensor(torch.Tensor):
     def _stable_hash_for_caching(self) -> str:
         """AOT autograd's on-disk cache key. Ranks trace different graphs for the same layout
         (each holds its own part; B -> P keeps the value on one rank), and may share one
-        cache directory, so the rank is part of the key."""
-        key = f"{self._spec!r}|{self.requires_grad}|{self._local.device}|rank {env.get_rank()}"
+        cache directory, so the rank is part of the key. So is sbp's own source: the cache
+        knows Dynamo's graph (`F.batch_norm` on global tensors) and not the rules that
+        turned it into local ops and collectives, and would otherwise serve a graph traced
+        by another version of sbp."""
+        key = (
+            f"{self._spec!r}|{self.requires_grad}|{self._local.device}|rank {env.get_rank()}"
+            f"|sbp {_source_fingerprint()}"
+        )
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __coerce_tangent_metadata__(self):
@@ -257,6 +265,17 @@ class GlobalTensor(torch.Tensor):
             if not recorded:
                 return checkpoint.copy_plain_value(self, src, non_blocking)
         return super().copy_(src, non_blocking)
+
+
+@functools.cache
+def _source_fingerprint() -> str:
+    """A digest of every Python file of the sbp package (read once, at the first compile)."""
+    root = Path(__file__).parent
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _static_sizes(t: torch.Tensor) -> None:

@@ -314,6 +314,32 @@ def test_a_new_placement_or_sbp_recompiles(pool2):
         assert [s for _, s, _ in out] == [(sbp.partial_sum,)] + [(B,)] + [(sbp.partial_sum,)] * 4
 
 
+def _cache_keys():
+    """AOT autograd's cache key of one global tensor, as sbp is, and as if its source differed."""
+    import sys
+
+    tensor_module = sys.modules["sbp.tensor"]
+    P = sbp.placement("cpu", [0])
+    t = sbp.tensor(torch.ones(3), placement=P, sbp=B)
+    now = t._stable_hash_for_caching()
+    real = tensor_module._source_fingerprint
+    tensor_module._source_fingerprint = lambda: "another version of sbp"
+    try:
+        edited = t._stable_hash_for_caching()
+    finally:
+        tensor_module._source_fingerprint = real
+    return now, t._stable_hash_for_caching(), edited
+
+
+def test_the_compile_cache_key_names_the_sbp_source(pool1):
+    """A graph traced by another version of sbp's rules is never served from torch's on-disk
+    cache: the key of a global input changes with sbp's source (it did not, and a benchmark
+    ran a stale graph with two all-reduces per BatchNorm instead of one)."""
+    for now, again, edited in pool1.run(_cache_keys):
+        assert now == again
+        assert edited != now
+
+
 def _tangent_layouts():
     """Backward from compiled outputs, with gradients in other layouts than the outputs'."""
     P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
