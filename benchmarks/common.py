@@ -317,6 +317,34 @@ def rss_growth(fn: Callable[[], Any]) -> int | None:
     return max(peak - before, 0) * 1024
 
 
+def small_all_reduce_ms(device: str, n: int = 64) -> dict[str, float]:
+    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums) on
+    `device`, through gloo (torch.distributed) and through sbp.comm (shared memory on one
+    host for CPU tensors; CUDA tensors go through gloo, which stages them in host memory)."""
+    from sbp import comm
+
+    out = {}
+    ranks = tuple(range(dist.get_world_size()))
+    for name, reduce in (
+        ("gloo", lambda t: dist.all_reduce(t)),
+        ("sbp", lambda t: comm.all_reduce(t, "sum", ranks)),
+    ):
+        t = torch.zeros(2, 96, device=device)
+        reduce(t)
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            reduce(t)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        worst = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[name] = worst.item()
+    return out
+
+
 def max_over_ranks(values: Sequence[float | None]) -> list[float | None]:
     """Elementwise max over ranks; None counts as missing (None only if missing everywhere)."""
     missing = float("-inf")

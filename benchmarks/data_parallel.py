@@ -29,13 +29,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +42,7 @@ from common import (  # noqa: E402
     gather_rows,
     machine_info,
     ratio,
+    small_all_reduce_ms,
     synchronized,
     table,
     time_methods,
@@ -109,34 +107,6 @@ def _ddp_trainer(base, batches, device, sync_bn=False, wrapper=None):
     return Trainer(ddp, batches, lambda x, y: (x, y))
 
 
-def _small_all_reduce_ms(device: str, n: int = 64) -> dict[str, float]:
-    """Median latency of an all-reduce of 2 x 96 floats (a BatchNorm layer's sums) on
-    `device`, through gloo (torch.distributed) and through sbp.comm (shared memory on one
-    host for CPU tensors; CUDA tensors go through gloo, which stages them in host memory)."""
-    from sbp import comm
-
-    out = {}
-    ranks = tuple(range(dist.get_world_size()))
-    for name, reduce in (
-        ("gloo", lambda t: dist.all_reduce(t)),
-        ("sbp", lambda t: comm.all_reduce(t, "sum", ranks)),
-    ):
-        t = torch.zeros(2, 96, device=device)
-        reduce(t)
-        times = []
-        for _ in range(n):
-            dist.barrier()
-            t0 = time.perf_counter()
-            reduce(t)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        worst = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out[name] = worst.item()
-    return out
-
-
 def _collectives_per_step(trainer) -> dict:
     """Collectives of one step, and how many of them are gradient buckets."""
     import sbp
@@ -183,7 +153,7 @@ def worker(rank: int, world: int, cfg: dict, path: str) -> None:
     timings = time_methods(methods, cfg["warmup"], cfg["steps"])
     rows["timings"] = {k: v.as_dict() for k, v in timings.items()}
     if world > 1:
-        rows["small_all_reduce_ms"] = _small_all_reduce_ms(device)
+        rows["small_all_reduce_ms"] = small_all_reduce_ms(device)
         rows["logical_step_collectives"] = _collectives_per_step(logical)
         rows["shard_step_collectives"] = _collectives_per_step(shard)
     if rank == 0:
