@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import itertools
 import math
 from collections.abc import Mapping
@@ -269,13 +270,24 @@ class GlobalTensor(torch.Tensor):
 
 @functools.cache
 def _source_fingerprint() -> str:
-    """A digest of every Python file of the sbp package (read once, at the first compile)."""
+    """A digest of every Python file of the sbp package, taken when sbp is imported (~2 ms):
+    the code that traces is the code loaded then, whatever the files hold later. Where the
+    files cannot be listed (a zip import), the installed version stands in."""
     root = Path(__file__).parent
+    files = sorted(root.rglob("*.py"))
+    if not files:
+        try:
+            return f"version {importlib.metadata.version('sbp')}"
+        except importlib.metadata.PackageNotFoundError:
+            return "version unknown"
     digest = hashlib.blake2b(digest_size=16)
-    for path in sorted(root.rglob("*.py")):
+    for path in files:
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+_source_fingerprint()
 
 
 def _static_sizes(t: torch.Tensor) -> None:
