@@ -431,9 +431,9 @@ def known_range(g: GlobalTensor) -> tuple[int, int] | None:
     recorded = g.__dict__.get("_bounds")
     if recorded is None:
         return None
-    lo, hi, local, version = recorded
-    if g._local is not local:
-        return None
+    lo, hi, local, version, writes = recorded
+    if g._local is not local or _global_writes.get(_storage_key(local), 0) != writes:
+        return None  # replaced, or written through another global tensor on its storage
     if local._version != version:
         raise MetaMismatchError(
             f"the local tensor of a global {g.dtype} tensor was written on rank "
@@ -444,7 +444,25 @@ def known_range(g: GlobalTensor) -> tuple[int, int] | None:
 
 
 def forget_range(g: GlobalTensor) -> None:
+    """`g` is written on every rank. Global tensors sharing its storage (`g.detach()`,
+    `g.data`, views) hold ranges too: a count per storage of integer tensors tells them."""
     g.__dict__.pop("_bounds", None)
+    if g.dtype in _BOUNDED_DTYPES:
+        key = _storage_key(g._local)
+        _global_writes[key] = _global_writes.get(key, 0) + 1
+
+
+# writes through global tensors per storage of integer local tensors (the ones with ranges)
+_global_writes: dict[int, int] = {}
+
+
+def _storage_key(local: torch.Tensor) -> int:
+    return local.untyped_storage()._cdata
+
+
+def _record_range(g: GlobalTensor, bounds: tuple[int, int]) -> None:
+    local = g._local
+    g._bounds = (*bounds, local, local._version, _global_writes.get(_storage_key(local), 0))
 
 
 _mutable: dict = {}
@@ -698,7 +716,7 @@ def _local_to_global(
         return _FromLocal.apply(data, spec, grad_nd)
     out = GlobalTensor(data.detach(), spec)
     if bounds is not None:
-        out._bounds = (*bounds, out._local, out._local._version)
+        _record_range(out, bounds)
     return out
 
 

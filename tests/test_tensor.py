@@ -173,6 +173,27 @@ def test_copy_between_global_tensors_laid_out_alike():
         w.copy_(sbp.to_global(torch.zeros(3, dtype=torch.float64), Pl, B))
 
 
+@pytest.mark.parametrize("alias", ["detach", "data", "view"])
+def test_a_write_through_an_alias_forgets_the_range(alias):
+    """`y.detach()`, `y.data` and views share y's storage: a write through them forgets y's
+    range too, or the loss would trust a range its labels no longer have (it skipped the
+    count of ignored labels and divided by 3, not by the labels left)."""
+    import torch.nn.functional as F
+
+    from sbp.tensor import known_range
+
+    Pl = sbp.placement.all("cpu")
+    logits = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = sbp.to_global(torch.tensor([3, 1, 2]), Pl, B)
+    assert known_range(y) == (1, 3)
+    other = {"detach": y.detach, "data": lambda: y.data, "view": lambda: y[1:]}[alias]()
+    other.fill_(-100)  # ignore_index
+    assert known_range(y) is None
+    want = F.cross_entropy(logits, y.to_local())
+    got = F.cross_entropy(sbp.to_global(logits, Pl, B), y)
+    assert torch.allclose(got.to_local(), want, equal_nan=True)
+
+
 def test_a_write_forgets_the_range_learnt_by_to_global():
     """Labels' range from to_global lets a loss skip a collective; any write through the
     global tensor, list ops included, forgets it (on every rank alike)."""
