@@ -288,6 +288,39 @@ def test_no_collective_is_dropped_from_the_graph(pool2):
         assert gloo not in graphs[0] and small not in graphs[0]
 
 
+def _collectives_of_a_step(backend):
+    """Collectives sbp.comm runs in a training step of ConvBN (logical BatchNorm) made global
+    on all ranks, eagerly or compiled with `backend`, after a first step that compiles."""
+    P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    model = _model("convbn").to_global(P, B)
+    run = model if backend is None else torch.compile(model, backend=_counter(backend))
+    place = _split_batch(P)
+    counts = []
+    for x, y in _batches("convbn", steps=2):
+        with sbp.comm_stats() as stats:
+            F.cross_entropy(run(place(x)), place(y)).backward()
+        counts.append(dict(stats.by_kind))
+    return counts[-1]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_compiled_step_runs_the_collectives_of_an_eager_one(pool2, backend):
+    """No collective is added either: one all-reduce per BatchNorm layer forward and one
+    backward (through shared memory on one host, counted as they run), and the gradients'
+    flat all-reduce, as in eager mode. A duplicated one (a graph cached from older rules
+    had two per layer forward; a partitioner that recomputed one in backward would add
+    another) is an extra sync of every rank per layer."""
+    from sbp.comm import shm
+
+    if not shm._ENABLED:  # then the graph's collectives are torch's, which sbp.comm cannot count
+        pytest.skip("sbp's shared-memory collectives are off (SBP_SHM=0, or not x86-64)")
+    eager_runs = pool2.run(_collectives_of_a_step, None)
+    compiled_runs = pool2.run(_collectives_of_a_step, backend)
+    for eager, compiled in zip(eager_runs, compiled_runs, strict=True):
+        assert compiled == eager
+        assert eager["all_reduce"] == 3  # BatchNorm forward, backward; the gradients
+
+
 def _layout_guards():
     """One compiled function fed inputs of several layouts and placements."""
     world = sbp.env.get_world_size()
