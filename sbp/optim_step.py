@@ -31,14 +31,13 @@ from typing import Any
 import torch
 
 from sbp import env
-from sbp.ops.optim import _all_are
+from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.signature import broadcast, normalize_nd_sbp
 from sbp.tensor import GlobalTensor
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
-_SPEC, _LOCAL, _GRAD = attrgetter("_spec"), attrgetter("_local"), attrgetter("grad")
-_ND_SBP, _PLACEMENT = attrgetter("nd_sbp"), attrgetter("placement")
+_GRAD = attrgetter("grad")
 
 
 def prefer_foreach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -1,4 +1,6 @@
-"""Ops that keep the layout: detach, alias, clone, and the *_like factories."""
+"""Ops that keep the layout: clone and the *_like factories. (detach and alias keep it too;
+`registry.dispatch` answers them before looking for a rule: autograd makes one per
+gradient it stores.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from sbp.signature import partials_to_broadcast
 aten = torch.ops.aten
 
 
-@register(aten.detach.default, aten.alias.default, aten.clone.default)
+@register(aten.clone.default)
 def same_layout(func, args, kwargs):
     from sbp.tensor import GlobalTensor
 
