@@ -142,12 +142,12 @@ def _logical_floor_parts(methods: dict[str, Callable[[], Any]], device: str) -> 
     the GPU, DDP + SyncBatchNorm is (`benchmarks/data_parallel.py`). Only where those
     all-reduces go through shared memory (CPU, one host) are they counted, so only there
     is a floor given."""
+    if device != "cpu":  # (the same on every rank, so no rank waits alone below)
+        return {}
     calls = {name: _shared_memory_calls(methods[name]) for name in LOGICAL_FLOOR}
     added = calls["global-compiled"] - calls["global-local-compiled"]
     small = common.small_all_reduce_ms(device)  # (a collective: every rank calls it)
-    if device != "cpu" or added <= 0:
-        return {}
-    return {"small_collectives_added": added, "small_all_reduce_ms": small}
+    return {"small_collectives_added": added, "small_all_reduce_ms": small} if added > 0 else {}
 
 
 def _reason(e: BaseException) -> str:
