@@ -157,7 +157,7 @@ def test_data_parallel_step_never_waits_for_the_gpu():
     as a plain torch step does; the steps equal plain torch's."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
-    model = torchvision.models.mobilenet_v2(num_classes=10).double().cuda()
+    model = torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0).double().cuda()
     _steps_without_host_sync(model, (3, 32, 32), warm=1)
 
 
