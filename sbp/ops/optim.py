@@ -13,8 +13,9 @@ from operator import attrgetter, is_
 
 import torch
 
-from sbp import env
+from sbp import comm, env
 from sbp.boxing.executor import empty_local
+from sbp.errors import PlacementError
 from sbp.ops.registry import LOCAL_STATE_OPS, keep_layout_while_tracing, rebox, register
 from sbp.signature import broadcast, partials_to_broadcast
 
@@ -25,6 +26,8 @@ LOCAL_STATE_OPS.update(
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
     if hasattr(aten, name)
 )
+# GradScaler's found_inf and inv_scale are 0-dim local tensors too (see amp_unscale).
+LOCAL_STATE_OPS.add(aten._amp_foreach_non_finite_check_and_unscale_)
 
 
 def is_list_op(func) -> bool:
@@ -146,3 +149,31 @@ def foreach_norm(func, args, kwargs):
     ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
     return [torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in args[0]]
+
+
+@register(aten._amp_foreach_non_finite_check_and_unscale_.default)
+def amp_unscale(func, args, kwargs):
+    """GradScaler's unscale: each rank unscales its local gradients in place (elementwise,
+    so any layout) and notes an inf or NaN in `found_inf`, a local tensor (or a global one
+    under implicit_replication). A rank sees only its part of a gradient that is split or
+    partial, so then found_inf is max-reduced over the placement: every rank skips the same
+    steps, as one process would."""
+    from sbp.tensor import GlobalTensor
+
+    names = ("self", "found_inf", "inv_scale")
+    grads, found_inf, inv_scale = (*args, *(kwargs[n] for n in names[len(args) :]))
+    placements = {g._spec.placement for g in grads}
+    if len(placements) != 1 or not all(type(g) is GlobalTensor for g in grads):
+        raise PlacementError(
+            f"{func}: the gradients of one unscale must be global tensors on one placement "
+            f"(got {len(placements)} placements); give each placement its own optimizer"
+        )
+    placement = placements.pop()
+    if env.get_rank() not in placement:
+        return None
+    found, inv = (t._local if type(t) is GlobalTensor else t for t in (found_inf, inv_scale))
+    func([g._local for g in grads], found, inv)
+    whole = (broadcast,) * placement.ndim
+    if any(g._spec.nd_sbp != whole for g in grads):
+        comm.all_reduce(found, "max", placement.flat_ranks)
+    return None
