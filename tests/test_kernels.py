@@ -7,6 +7,7 @@ logical tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import warnings
@@ -88,7 +89,7 @@ def test_every_kernel_compiles_with_nvrtc(arch):
     )
     ptx = _compile_ptx(nvrtc, raw.source(raw.all_instances()), arch)
     names = raw.kernel_names()
-    assert len(names) == 2 * len(raw.WORDS) + 6 * len(raw.DTYPES)
+    assert len(names) == 6 * len(raw.WORDS) + 6 * len(raw.DTYPES)
     missing = [n for n in names if f".entry {n}(" not in ptx]
     assert not missing, f"kernels missing from the PTX: {missing}"
     # The 16-byte paths really move 16 bytes per access.
@@ -145,6 +146,23 @@ def host():
     return Backend("host")
 
 
+SCHEMES = pytest.mark.parametrize("scheme", ["linear", "rows"])
+
+
+@contextlib.contextmanager
+def forced(scheme: str):
+    """raw.py's thresholds moved so that chunks of several rows, whatever their size, take
+    the linear or the rows kernel (a single contiguous range always takes the flat one)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if scheme == "rows":
+            mp.setattr(raw, "ROWS_MAX_WIDTH", 16)
+            mp.setattr(raw, "ROWS_MIN_WORDS", 0)
+            mp.setattr(raw, "ROWS_MIN_GRID", 0)
+        else:
+            mp.setattr(raw, "ROWS_MIN_WORDS", math.inf)
+        yield
+
+
 def _values(shape, dtype, seed, specials=False):
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
@@ -184,6 +202,7 @@ def splits(draw, max_ranks=5):
 launches = st.tuples(st.sampled_from([1, 3, 32]), st.sampled_from([1, 2, 5]))
 
 
+@SCHEMES
 @settings(max_examples=150)
 @given(
     splits(),
@@ -193,12 +212,13 @@ launches = st.tuples(st.sampled_from([1, 3, 32]), st.sampled_from([1, 2, 5]))
     launches,
     st.integers(0, 2**16),
 )
-def test_pack_matches_torch(backend, split, dtype, pad_extra, offset, launch, seed):
+def test_pack_matches_torch(backend, scheme, split, dtype, pad_extra, offset, launch, seed):
     shape, dim, sizes = split
     pad_to = None if pad_extra is None else max(sizes) + pad_extra
     x = _at_offset(_values(shape, dtype, seed), offset, backend.device)
     expected = reference.pack_chunks(x, dim, sizes, pad_to).clone()
-    got = raw.pack_chunks(backend.launcher(*launch), x, dim, sizes, pad_to)
+    with forced(scheme):
+        got = raw.pack_chunks(backend.launcher(*launch), x, dim, sizes, pad_to)
     assert got is not None and got.shape == expected.shape
     rest = reference.elements_per_index(shape, dim)
     rows = [pad_to if pad_to is not None else s for s in sizes]
@@ -207,6 +227,7 @@ def test_pack_matches_torch(backend, split, dtype, pad_extra, offset, launch, se
         assert torch.equal(got[start : start + s * rest], expected[start : start + s * rest])
 
 
+@SCHEMES
 @settings(max_examples=150)
 @given(
     splits(),
@@ -216,7 +237,7 @@ def test_pack_matches_torch(backend, split, dtype, pad_extra, offset, launch, se
     launches,
     st.integers(0, 2**16),
 )
-def test_unpack_matches_torch(backend, split, dtype, pad_extra, offset, launch, seed):
+def test_unpack_matches_torch(backend, scheme, split, dtype, pad_extra, offset, launch, seed):
     shape, dim, sizes = split
     chunk_shapes = [shape[:dim] + (s,) + shape[dim + 1 :] for s in sizes]
     rest = reference.elements_per_index(shape, dim)
@@ -226,7 +247,8 @@ def test_unpack_matches_torch(backend, split, dtype, pad_extra, offset, launch, 
     fill = _values(shape, dtype, seed + 1).to(backend.device)  # where no chunk goes
     expected = reference.unpack_chunks(buf, chunk_shapes, dim, fill.clone(), stride)
     out = _at_offset(fill, offset, backend.device)
-    got = raw.unpack_chunks(backend.launcher(*launch), buf, chunk_shapes, dim, out, stride)
+    with forced(scheme):
+        got = raw.unpack_chunks(backend.launcher(*launch), buf, chunk_shapes, dim, out, stride)
     assert got is out
     assert torch.equal(got, expected)
 
@@ -277,6 +299,34 @@ def test_word_width_follows_alignment_of_every_offset():
     m = raw.plan_move([0, 12, 20], [0, 36], outer=3, row=20, pointers=[1024, 2048])
     assert m.width == 4 and m.cols == (0, 3, 5)
     assert raw.plan_move([0, 8], [0], 1, 8, [1024, 1026]).width == 2
+
+
+def test_scheme_choice_on_an_h100_grid():
+    """The scheme raw.py picks with the CuPy launcher's block size and an H100's grid cap
+    (132 SMs x 16 blocks): float32 (r, 1027) split over 8 ranks along dim 1 takes the rows
+    kernel from 64 MiB (teams of a warp), the linear one at 16 MiB; 16-byte words take the
+    linear one; a single contiguous range, or whole rows, the flat one."""
+
+    class H100:
+        threads = 256
+
+        def max_blocks(self, device):
+            return 132 * 16
+
+    def plan(r, row, sizes, width):
+        cols = [0, *raw._prefix(sizes)]
+        bases = [b * r for b in raw._prefix([0, *sizes[:-1]])]
+        m = raw.Move(width, tuple(cols), tuple(bases), r, row)
+        return raw.move_plan(m, H100(), torch.device("cpu"))
+
+    sizes = [129, 129, 129, 128, 128, 128, 128, 128]
+    scheme, values, grid, outer, row = plan(16384, 1027, sizes, 4)
+    assert (scheme, values[-1], grid, outer, row) == ("_rows", 32, (16384, 1), 16384, 1027)
+    assert plan(4096, 1027, sizes, 4)[0] == ""
+    assert plan(16384, 256, [32] * 8, 16)[0] == ""
+    assert plan(1, 1000, [400, 600], 4)[0] == "_flat"
+    scheme, values, grid, outer, row = plan(5, 1000, [1000], 4)
+    assert (scheme, values, outer, row) == ("_flat", (0, 5000, 0), 1, 5000)
 
 
 def test_cases_outside_the_kernels_fall_back(host):

@@ -40,6 +40,25 @@ def test_kernels_are_chosen_for_cuda_tensors():
     assert sbp.kernels.launcher_for(torch.device("cpu")) is None
 
 
+def test_kernels_run_on_torchs_current_stream():
+    """CuPy gets torch's current stream itself, through the CUDA stream protocol where CuPy
+    has it (CuPy 14 deprecates ExternalStream), and a pack lands on that stream."""
+    pytest.importorskip("cupy")
+    from sbp.kernels import raw
+    from sbp.kernels.cupy_launcher import CupyLauncher
+
+    launcher = CupyLauncher()
+    side = torch.cuda.Stream()
+    x = torch.arange(12.0, device="cuda").view(3, 4)
+    side.wait_stream(torch.cuda.current_stream())
+    with warnings.catch_warnings(), torch.cuda.stream(side):
+        warnings.simplefilter("error", DeprecationWarning)
+        assert launcher._stream(x.device).ptr == side.cuda_stream
+        out = raw.pack_chunks(launcher, x, 1, [1, 3])
+    side.synchronize()
+    assert out.tolist() == [0.0, 4.0, 8.0, 1.0, 2.0, 3.0, 5.0, 6.0, 7.0, 9.0, 10.0, 11.0]
+
+
 @pytest.mark.parametrize("src", [S0, S1, B, sbp.partial_sum])
 @pytest.mark.parametrize("dst", [S0, S1, B])
 def test_boxing_on_one_gpu(src, dst):

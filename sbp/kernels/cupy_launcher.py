@@ -29,6 +29,25 @@ def compile_options() -> tuple[str, ...]:
     return ("--std=c++17", *(f"-I{d}" for d in raw.include_dirs()))
 
 
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol, which `Stream.from_external` reads."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device_index: int) -> cupy.cuda.Stream:
+    """The stream `handle` (not CuPy's: CuPy never destroys it) as a CuPy stream."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # CuPy < 14, where ExternalStream is not yet deprecated
+        return cupy.cuda.ExternalStream(handle, device_index)
+    with cupy.cuda.Device(device_index):  # the protocol names no device: CuPy takes the current
+        return from_external(_StreamHandle(handle))
+
+
 def _argument(a):
     """A kernel argument: a tensor as its address (a pointer parameter is 8 bytes, as is a
     uint64), an int as the kernels' 64-bit integer."""
@@ -45,7 +64,7 @@ class CupyLauncher:
         self._functions: dict[tuple[int, str], object] = {}
         self._tables: OrderedDict = OrderedDict()
         self._max_blocks: dict[int, int] = {}
-        self._streams: dict[tuple[int, int], cupy.cuda.ExternalStream] = {}
+        self._streams: dict[tuple[int, int], cupy.cuda.Stream] = {}
 
     def max_blocks(self, device: torch.device) -> int:
         # Enough blocks to fill every SM several times over; grid-stride loops do the rest.
@@ -82,12 +101,12 @@ class CupyLauncher:
                 fn = self._functions[key] = module.get_function(kernel)
         return fn
 
-    def _stream(self, device: torch.device) -> cupy.cuda.ExternalStream:
+    def _stream(self, device: torch.device) -> cupy.cuda.Stream:
         """torch's current stream on `device`, as CuPy sees it."""
         handle = torch.cuda.current_stream(device).cuda_stream
         stream = self._streams.get((device.index, handle))
         if stream is None:
-            stream = cupy.cuda.ExternalStream(handle, device.index)
+            stream = external_stream(handle, device.index)
             self._streams[(device.index, handle)] = stream
         return stream
 

@@ -94,7 +94,7 @@ def kernel_names() -> list[str]:
     """Every entry point that `source(all_instances())` defines."""
     names = []
     for name, _ in WORDS.values():
-        names += [f"sbp_pack_{name}", f"sbp_unpack_{name}"]
+        names += [f"sbp_{k}{s}_{name}" for s in ("", "_rows", "_flat") for k in ("pack", "unpack")]
     for name, _ in DTYPES.values():
         names += [f"sbp_reduce_{op}_{name}{v}" for v in ("", "_v") for op in OPS]
     return names
@@ -145,11 +145,21 @@ def plan_move(
     )
 
 
-# Words each pack/unpack thread moves at least: its start costs four integer divisions,
-# which a single 4-byte word does not repay (measured on an H100: inner-axis uneven packs of
-# 16 MiB went from 0.33 to 0.71 of a device copy). The reduce kernels start cheaply and
-# keep one word per thread up to the block cap.
+# Words each pack/unpack thread moves at least in the linear scheme: its start costs four
+# integer divisions, which a single 4-byte word does not repay (measured on an H100:
+# inner-axis uneven packs of 16 MiB went from 0.33 to 0.71 of a device copy). The reduce
+# kernels start cheaply and keep one word per thread up to the block cap.
 MOVE_WORDS_PER_THREAD = 4
+# Words each thread of the rows and flat schemes moves per round (kMoveUnroll in boxing.cu).
+MOVE_UNROLL = 8
+# The rows scheme is for words narrower than 16 bytes (16-byte words already run at copy
+# speed in the linear scheme), rows of chunks that fill a team, and enough of them (rows x
+# chunks) for a grid at least ROWS_MIN_GRID times the linear scheme's largest: below that
+# the linear scheme was faster (H100, float32 (r, 1027) over 8 ranks: at 16 MiB the rows grid
+# is 1.9 times it, and packs ran at 0.73 of a copy against the linear scheme's 0.78).
+ROWS_MAX_WIDTH = 8
+ROWS_MIN_WORDS = 32
+ROWS_MIN_GRID = 4.0
 
 
 def _grid_x(words: int, launcher: Launcher, device: torch.device, per_thread: int = 1) -> int:
@@ -157,17 +167,51 @@ def _grid_x(words: int, launcher: Launcher, device: torch.device, per_thread: in
     return max(1, min(-(-words // threads), launcher.max_blocks(device)))
 
 
+def _team(words: int, width: int, threads: int) -> int:
+    """Lanes per row of a chunk in the rows scheme: the power of two, up to a warp, that
+    moves a row of `words` words in one round."""
+    if threads % 32:  # blocks of 1 or 3 threads in the CPU tests: the block is the team
+        return threads
+    if width >= 4:  # 16-byte slots: one more than the row spans at most
+        slots, per_lane = -(-words * width // 16) + 1, MOVE_UNROLL * width // 16
+    else:
+        slots, per_lane = words, MOVE_UNROLL
+    team = 1
+    while team < 32 and team * per_lane < slots:
+        team *= 2
+    return team
+
+
+def move_plan(m: Move, launcher: Launcher, device: torch.device):
+    """The kernel scheme for `m` ("" linear, "_rows" or "_flat"), its table, its grid and
+    the (outer, row) it takes."""
+    n = len(m.bases)
+    lens = [b - a for a, b in zip(m.cols, m.cols[1:], strict=False)]
+    cols, outer, row = m.cols, m.outer, m.row
+    if n == 1 and lens[0] == row:  # whole rows: one contiguous range
+        cols, outer, row, lens = (0, outer * row), 1, outer * row, [outer * row]
+    if outer == 1:
+        grid = (_grid_x(max(lens), launcher, device, MOVE_UNROLL), n)
+        return "_flat", (*cols, *m.bases), grid, outer, row
+    if m.width <= ROWS_MAX_WIDTH and sum(lens) >= ROWS_MIN_WORDS * n:
+        team = _team(sum(lens) // n, m.width, launcher.threads)
+        blocks = -(-outer * n * team // launcher.threads)  # a team for every piece
+        if ROWS_MIN_GRID * launcher.max_blocks(device) <= blocks < 2**31:
+            return "_rows", (*cols, *m.bases, team), (blocks, 1), outer, row
+    grid = (_grid_x(max(lens) * outer, launcher, device, MOVE_WORDS_PER_THREAD), n)
+    return "", (*cols, *m.bases), grid, outer, row
+
+
 def _run_move(
     launcher: Launcher, kind: str, src: torch.Tensor, dst: torch.Tensor, m: Move, device
 ) -> None:
-    n = len(m.bases)
-    longest = max(b - a for a, b in zip(m.cols, m.cols[1:], strict=False)) * m.outer
-    if longest == 0:
+    if m.outer == 0 or m.cols[-1] == m.cols[0]:
         return
-    grid = (_grid_x(longest, launcher, device, MOVE_WORDS_PER_THREAD), n)
-    table = launcher.table((*m.cols, *m.bases), device)
-    name = f"sbp_{kind}_{WORDS[m.width][0]}"
-    launcher.launch(name, move_instance(m.width), grid, [src, dst, table, n, m.outer, m.row])
+    scheme, values, grid, outer, row = move_plan(m, launcher, device)
+    table = launcher.table(values, device)
+    name = f"sbp_{kind}{scheme}_{WORDS[m.width][0]}"
+    args = [src, dst, table, len(m.bases), outer, row]
+    launcher.launch(name, move_instance(m.width), grid, args)
 
 
 def _split(shape: Sequence[int], dim: int) -> tuple[int, int, int]:
