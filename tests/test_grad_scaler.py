@@ -38,10 +38,7 @@ def _train(model, batches, place=None, tensor_parallel=False):
         if i == 1:  # only output 2 overflows: in a tensor-parallel `b`, one rank's rows
             weight[2] = float("inf")
         if place is not None:
-            x, y = (
-                sbp.to_global(x, place, S0 if not tensor_parallel else B),
-                sbp.to_global(y, place, S0 if not tensor_parallel else B),
-            )
+            x, y = sbp.to_global((x, y), place, B if tensor_parallel else S0)
             weight = sbp.to_global(weight, place, B)
         opt.zero_grad()
         out = model(x)
