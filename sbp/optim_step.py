@@ -23,6 +23,7 @@ see the locals.
 
 from __future__ import annotations
 
+import sys
 import types
 from itertools import repeat
 from operator import attrgetter, is_
@@ -32,6 +33,7 @@ import torch
 
 from sbp import env
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
+from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
 from sbp.tensor import GlobalTensor
 
@@ -48,7 +50,8 @@ def prefer_foreach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
 
     On CPU torch chooses per-tensor loops. On global tensors each op of those costs ~10 us
     of dispatch (474 ops per mobilenet_v2 SGD step); on their locals the list ops are
-    still ~30% faster. They compute the same elementwise updates."""
+    still ~30% faster. They compute the same elementwise updates (ASGD's up to float32
+    rounding: its foreach loop computes with its eta as a float32 tensor)."""
     for group in optimizer.param_groups:
         _prefer_foreach(group)
 
@@ -86,9 +89,12 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     or after still see the optimizer step."""
     # (one look per group: a group qualifies only if all its params are global, and this
     # runs before every step of every optimizer, plain torch ones too)
-    if _GLOBAL_STEP in optimizer.__dict__ or not any(
+    if not any(
         g["params"] and type(g["params"][0]) is GlobalTensor for g in optimizer.param_groups
     ):
+        return
+    note_optimizer_step(id(optimizer), sys._getframe(1))  # (torch's frame running the step)
+    if _GLOBAL_STEP in optimizer.__dict__:
         return
     global_step = optimizer.step
 

@@ -5,7 +5,9 @@ input re-boxed (a slice along a split dim), the view is a copy and the write wou
 So basic indexing (ints and slices, with Ellipsis) writes in logical coordinates instead, as
 OneFlow's logical slice assign does: each rank writes what falls in its shard, with no
 communication for split and broadcast tensors (a partial tensor is made broadcast first).
-Other indexes, and writes autograd must record, take torch's own path.
+Other indexes, and writes autograd must record, take torch's own path; a Python number
+written there (`x[x < 0] = 0`) goes as a broadcast global 0-dim tensor, since torch would
+make it a local one.
 """
 
 from __future__ import annotations
@@ -98,3 +100,20 @@ def _write_local_part(g, items: list, value: Any) -> None:
         if part[1] is not None:
             value_index.append(part[1])
     g._local[tuple(local_index)] = value[tuple(value_index)]
+
+
+def number_as_global(g, value: Any) -> Any:
+    """A Python number to write into `g` by torch's path, as the broadcast global 0-dim
+    tensor of `g`'s dtype torch would otherwise make local; any other value as it is."""
+    from sbp.boxing.executor import empty_local
+    from sbp.layout import GlobalSpec
+    from sbp.signature import broadcast
+    from sbp.tensor import GlobalTensor
+
+    if not isinstance(value, (bool, int, float, complex)):
+        return value
+    P = g.placement
+    spec = GlobalSpec(P, (broadcast,) * P.ndim, (), g.dtype)
+    if env.get_rank() not in P:
+        return GlobalTensor(empty_local(spec), spec)
+    return GlobalTensor(torch.tensor(value, dtype=g.dtype, device=g._local.device), spec)

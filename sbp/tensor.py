@@ -192,11 +192,11 @@ class GlobalTensor(torch.Tensor):
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """Basic indexing writes each rank's part of the logical slice (see sbp.setitem)."""
-        from sbp.setitem import setitem
+        from sbp.setitem import number_as_global, setitem
 
         forget_range(self)  # every rank writes (SPMD), even where it holds no part
         if not setitem(self, index, value):
-            super().__setitem__(index, value)
+            super().__setitem__(index, number_as_global(self, value))
 
     def full_tensor(self) -> torch.Tensor:
         """The logical value as a plain tensor on every rank of the placement."""

@@ -36,6 +36,13 @@ OPTIMIZERS = {
     "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    # (their first step, on the global tensors, meets 0-dim local tensors: ASGD's eta and
+    # mu, the step sizes Rprop picks with torch.where)
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "rprop-foreach": lambda ps: torch.optim.Rprop(ps, lr=1e-2, foreach=True),
+    # (explicit foreach: torch's two ASGD loops differ by ~1e-10 in float64)
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1, foreach=False),
+    "asgd-foreach": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1, foreach=True),
 }
 
 
@@ -276,3 +283,48 @@ def test_a_differentiable_group_stays_global(swaps):
         _unrolled_meta_gradient(True), _unrolled_meta_gradient(False), rtol=1e-12, atol=1e-12
     )
     assert swaps == [False, False]
+
+
+def _split_weight_training(name):
+    """A weight split over the ranks: every step runs on the global tensors (no swap), 0-dim
+    local state included; the result equals one process's."""
+    P = sbp.placement.all("cpu")
+    plain, glob = _models()
+    glob.to_global(P, B)
+    glob.a.weight = torch.nn.Parameter(glob.a.weight.to_global(P, sbp.split(0)))
+    popt, gopt = OPTIMIZERS[name](plain.parameters()), OPTIMIZERS[name](glob.parameters())
+    for x in _batches():
+        for model, opt, inp in ((plain, popt, x), (glob, gopt, sbp.to_global(x, P, B))):
+            opt.zero_grad()
+            model(inp).square().mean().backward()
+            opt.step()
+    return [
+        float((g.full_tensor() - p.detach()).abs().max())
+        for p, g in zip(plain.parameters(), glob.parameters(), strict=True)
+    ]
+
+
+@pytest.mark.parametrize("name", ["rprop", "asgd", "asgd-foreach"])
+def test_zero_dim_state_on_split_parameters(pool2, name):
+    for errors in pool2.run(_split_weight_training, name):
+        assert max(errors) < 1e-12
+
+
+def test_zero_dim_locals_are_trusted_only_inside_a_step():
+    """Outside an optimizer's step (after one, and after one that raised), a 0-dim local
+    tensor meeting a global one is an error again."""
+    plain, glob, _, gopt = _pair("asgd")
+    _train(glob, gopt, _batches(2))
+    g = next(glob.parameters())
+    with pytest.raises(sbp.PlacementError, match="local torch.Tensor of shape"):
+        g * torch.tensor(2.0, dtype=torch.float64)
+
+    def fail(optimizer, args, kwargs):
+        raise RuntimeError("a hook failed")
+
+    handle = gopt.register_step_post_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        _train(glob, gopt, _batches(1))
+    handle.remove()
+    with pytest.raises(sbp.PlacementError, match="local torch.Tensor of shape"):
+        g * torch.tensor(2.0, dtype=torch.float64)

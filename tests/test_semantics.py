@@ -378,3 +378,31 @@ def test_slice_assignment_writes_the_logical_slice(pool4):
             assert torch.equal(got, ref), nd
             assert got_sbp == tuple(B if s == P else s for s in nd)
             assert calls == (1 if P in nd else 0), nd  # a partial tensor is reduced once
+
+
+def _masked_number_writes():
+    """`x[mask] = number` (torch's path, not the logical slice above) on split, broadcast and
+    partial tensors of both number kinds: the number goes as a broadcast constant."""
+    P_ = sbp.placement.all("cpu")
+    out = []
+    for base in (torch.arange(-6, 6).reshape(3, 4), torch.linspace(-1, 1, 12).reshape(3, 4)):
+        for nd in (S0, S1, B, P):
+            g = sbp.tensor(base, P_, nd)
+            g[g < 0] = 0
+            g[(g > 0.5) & (g < 4)] = 2.5  # (2 in an integer tensor, as torch truncates)
+            g[sbp.tensor(torch.tensor([True, False, True]), P_, B)] = True
+            out.append((g.full_tensor(), nd))
+    return out
+
+
+def test_masked_number_assignment(pool2):
+    want = []
+    for base in (torch.arange(-6, 6).reshape(3, 4), torch.linspace(-1, 1, 12).reshape(3, 4)):
+        x = base.clone()
+        x[x < 0] = 0
+        x[(x > 0.5) & (x < 4)] = 2.5
+        x[torch.tensor([True, False, True])] = True
+        want += [x] * 4
+    for out in pool2.run(_masked_number_writes):
+        for (got, nd), x in zip(out, want, strict=True):
+            assert torch.equal(got, x), nd

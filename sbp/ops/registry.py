@@ -12,6 +12,7 @@ learning rate never miss the cache. Ops with no rule fall back to broadcast.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -186,10 +187,39 @@ LOCAL_INDEX_OPS: set = set()
 LOCAL_STATE_OPS: set = set()
 
 
-def _trusted_constant(func) -> bool:
+# The step of each optimizer with global parameters, as (id, code) of the frame that runs
+# it (`note_optimizer_step`): while it is on the stack, its 0-dim local tensors (ASGD's eta,
+# the zero Rprop writes through a mask) are state every rank computes alike. A pair and
+# not the frame, so nothing is kept alive; a finished step's frame is off the stack, and
+# an id a later frame of the same code reuses is again an optimizer step.
+_optimizer_steps: dict[int, tuple[int, Any]] = {}
+
+
+def note_optimizer_step(optimizer_id: int, frame) -> None:
+    """Called as an optimizer's step starts, with the frame that runs the step."""
+    _optimizer_steps[optimizer_id] = (id(frame), frame.f_code)
+
+
+def _inside_optimizer_step() -> bool:
+    if not _optimizer_steps:
+        return False
+    running = set(_optimizer_steps.values())
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (id(frame), frame.f_code) in running:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def trusted_constant(func) -> bool:
     """May a 0-dim local tensor join global ones in `func`? In torch's backward formulas
-    (0-dim zeros in clamp's, say) and in LOCAL_STATE_OPS."""
-    return torch._C._current_graph_task_id() >= 0 or func.overloadpacket in LOCAL_STATE_OPS
+    (0-dim zeros in clamp's, say), in LOCAL_STATE_OPS and inside an optimizer's step."""
+    return (
+        torch._C._current_graph_task_id() >= 0
+        or func.overloadpacket in LOCAL_STATE_OPS
+        or _inside_optimizer_step()
+    )
 
 
 def scan(func, flat: list) -> tuple[tuple, list[int]]:
@@ -220,7 +250,7 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             # Python scalars are the values every rank is trusted to agree on, and so are
             # the 0-dim constants of torch's backward formulas (zeros in clamp's, say).
             if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
-                a.dim() == 0 and not a.requires_grad and _trusted_constant(func)
+                a.dim() == 0 and not a.requires_grad and trusted_constant(func)
             ):
                 if local_constants.replicating():  # sbp.global_mode / implicit_replication
                     implicit.append(i)

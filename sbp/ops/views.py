@@ -13,7 +13,17 @@ import torch
 
 from sbp import env
 from sbp.boxing.executor import empty_local
-from sbp.ops.registry import LOCAL_INDEX_OPS, Call, Strategy, rebox, register, register_strategy
+from sbp.errors import PlacementError
+from sbp.layout import GlobalSpec
+from sbp.ops.registry import (
+    LOCAL_INDEX_OPS,
+    Call,
+    Strategy,
+    rebox,
+    register,
+    register_strategy,
+    trusted_constant,
+)
 from sbp.signature import broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -178,6 +188,16 @@ def index_put(func, args, kwargs):
     from sbp.tensor import GlobalTensor
 
     x, indices, values = args[0], args[1], args[2]
+    if not isinstance(values, GlobalTensor):  # (integer values pass scan as indices do)
+        if values.dim() != 0 or not trusted_constant(func):
+            raise PlacementError(
+                f"{func}: values is a local tensor of shape {tuple(values.shape)}; make it "
+                "global first (values.to_global(placement, sbp)), or pass a Python number"
+            )
+        P = x._spec.placement
+        spec = GlobalSpec(P, (broadcast,) * P.ndim, tuple(values.shape), values.dtype)
+        inside = env.get_rank() in P
+        values = GlobalTensor(values.to(x._local.device) if inside else empty_local(spec), spec)
     nd = tuple(
         partial_sum if a.is_partial or b.is_partial else broadcast
         for a, b in zip(x.sbp, values.sbp, strict=True)
