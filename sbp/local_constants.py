@@ -117,11 +117,8 @@ def implicit_replication(check: bool = False) -> Iterator[None]:
 def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: list[int], P) -> None:
     """In place: the local tensors at `positions` of `flat` become broadcast global tensors on
     `P`, with their specs in the decision key and their positions among the global ones."""
-    from sbp.tensor import GlobalTensor
-
     if P is None:
         raise PlacementError(f"{func}: implicit_replication needs a global input to place on")
-    inside = env.get_rank() in P
     for i in positions:
         a = flat[i]
         if a.requires_grad:
@@ -129,13 +126,21 @@ def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: li
                 f"{func}: a local tensor of shape {tuple(a.shape)} that requires grad cannot be "
                 "replicated implicitly (its gradient would be lost); make it global first"
             )
-        spec = GlobalSpec(P, (broadcast,) * P.ndim, tuple(a.shape), a.dtype)
         if _checking():
             check_same_on_ranks(a, P, f"the local tensor argument {i} of {func}")
-        local = a.to(local_device(P.type)) if inside else empty_local(spec)
-        flat[i] = GlobalTensor(local, spec)
-        key[i + 1] = spec
+        flat[i] = as_broadcast(a, P)
+        key[i + 1] = flat[i]._spec
     gpos[:] = sorted([*gpos, *positions])
+
+
+def as_broadcast(local: torch.Tensor, P: Placement):
+    """`local`, a value every rank of `P` holds alike, as a broadcast global tensor on `P`
+    (ranks outside `P` hold metadata only)."""
+    from sbp.tensor import GlobalTensor
+
+    spec = GlobalSpec(P, (broadcast,) * P.ndim, tuple(local.shape), local.dtype)
+    inside = env.get_rank() in P
+    return GlobalTensor(local.to(local_device(P.type)) if inside else empty_local(spec), spec)
 
 
 # ---------------------------------------------------------------- global mode

@@ -105,15 +105,8 @@ def _write_local_part(g, items: list, value: Any) -> None:
 def number_as_global(g, value: Any) -> Any:
     """A Python number to write into `g` by torch's path, as the broadcast global 0-dim
     tensor of `g`'s dtype torch would otherwise make local; any other value as it is."""
-    from sbp.boxing.executor import empty_local
-    from sbp.layout import GlobalSpec
-    from sbp.signature import broadcast
-    from sbp.tensor import GlobalTensor
+    from sbp.local_constants import as_broadcast
 
     if not isinstance(value, (bool, int, float, complex)):
         return value
-    P = g.placement
-    spec = GlobalSpec(P, (broadcast,) * P.ndim, (), g.dtype)
-    if env.get_rank() not in P:
-        return GlobalTensor(empty_local(spec), spec)
-    return GlobalTensor(torch.tensor(value, dtype=g.dtype, device=g._local.device), spec)
+    return as_broadcast(torch.tensor(value, dtype=g.dtype), g.placement)

@@ -11,10 +11,9 @@ import math
 
 import torch
 
-from sbp import env
+from sbp import env, local_constants
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
-from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
     Call,
@@ -194,10 +193,7 @@ def index_put(func, args, kwargs):
                 f"{func}: values is a local tensor of shape {tuple(values.shape)}; make it "
                 "global first (values.to_global(placement, sbp)), or pass a Python number"
             )
-        P = x._spec.placement
-        spec = GlobalSpec(P, (broadcast,) * P.ndim, tuple(values.shape), values.dtype)
-        inside = env.get_rank() in P
-        values = GlobalTensor(values.to(x._local.device) if inside else empty_local(spec), spec)
+        values = local_constants.as_broadcast(values, x._spec.placement)
     nd = tuple(
         partial_sum if a.is_partial or b.is_partial else broadcast
         for a, b in zip(x.sbp, values.sbp, strict=True)
