@@ -10,6 +10,7 @@ shard of a split gradient.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sbp
@@ -100,3 +101,11 @@ def test_grad_scaler_tensor_parallel(pool2):
     the step, as one process does."""
     for errors in pool2.run(_scaled_training, True):
         assert errors == []
+
+
+def test_a_local_gradient_is_a_named_error():
+    """Under implicit_replication a local gradient reaches the unscale rule itself."""
+    P = sbp.placement("cpu", [0])
+    grads = [sbp.to_global(torch.ones(3), P, B), torch.ones(3)]
+    with sbp.implicit_replication(), pytest.raises(sbp.PlacementError, match="local tensor"):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(()), torch.ones(()))

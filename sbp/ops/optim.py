@@ -162,10 +162,14 @@ def amp_unscale(func, args, kwargs):
 
     names = ("self", "found_inf", "inv_scale")
     grads, found_inf, inv_scale = (*args, *(kwargs[n] for n in names[len(args) :]))
-    placements = {g._spec.placement for g in grads}
-    if len(placements) != 1 or not all(type(g) is GlobalTensor for g in grads):
+    if not all(type(g) is GlobalTensor for g in grads):  # (implicit_replication lets them in)
         raise PlacementError(
-            f"{func}: the gradients of one unscale must be global tensors on one placement "
+            f"{func}: a gradient is a local tensor; make it global first (g.to_global(...))"
+        )
+    placements = {g._spec.placement for g in grads}
+    if len(placements) != 1:
+        raise PlacementError(
+            f"{func}: the gradients of one unscale must be on one placement "
             f"(got {len(placements)} placements); give each placement its own optimizer"
         )
     placement = placements.pop()
