@@ -26,12 +26,13 @@ world of two (each rank holds half the batch)
   global-dp-compiled  per-shard BatchNorm on the fast path, its local forward compiled
                     (`sbp.nn.data_parallel(model, batch_norm="local", compile=True)`)
 
-Target: global-compiled (and global-local-compiled) within 1.10x of torch-compiled (world of one) and of ddp-compiled
-(world of two); where ddp-syncbn-compiled runs, it is global-compiled's anchor instead,
-and on the CPU, where it cannot, that anchor is a floor (DDP plus the added collectives). Compilation happens in the warm-up calls and is reported apart. Run
-`python benchmarks/compile.py` (minutes: Inductor compiles each model); `--backend
-aot_eager` traces without code generation; `--device cuda` runs on the GPU (ranks share
-one over gloo where there are fewer GPUs than ranks).
+Target: global-compiled (and global-local-compiled) within 1.10x of torch-compiled (world
+of one) and of ddp-compiled (world of two); where ddp-syncbn-compiled runs, it is
+global-compiled's anchor instead, and on the CPU, where it cannot, that anchor is a floor
+(DDP plus the added collectives). Compilation happens in the warm-up calls and is
+reported apart. Run `python benchmarks/compile.py` (minutes: Inductor compiles each
+model); `--backend aot_eager` traces without code generation; `--device cuda` runs on the
+GPU (ranks share one over gloo where there are fewer GPUs than ranks).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def _logical_floor_parts(methods: dict[str, Callable[[], Any]], device: str) -> 
     """What the logical row's floor is made of: the small all-reduces logical BatchNorm adds
     to the per-shard step, and the latency of one, measured now. Logical BatchNorm computes
     more than torch DDP (the whole batch's statistics), so DDP alone is not its floor; on
-    the GPU, DDP + SyncBatchNorm is (`benchmarks/data_parallel.py`). Only where those
+    the GPU, the ddp-syncbn-compiled row is its anchor instead. Only where those
     all-reduces go through shared memory (CPU, one host) are they counted, so only there
     is a floor given."""
     if device != "cpu":  # (the same on every rank, so no rank waits alone below)
