@@ -7,10 +7,11 @@ world of one
   torch-eager       plain torch (the anchor)
   torch-compiled    torch.compile(model)
   global-eager      parameters broadcast, batch split(0) on a placement of one rank
-  global-compiled   the same, torch.compile(model)
-  global-dp-compiled  the same on the data-parallel fast path with only its local forward
-                    compiled (`sbp.nn.data_parallel(model, compile=True)`; no torch.compile
-                    of the global model): plain tensors in the graph, as compiled torch
+  global-compiled   the same, torch.compile(model): the call leaves the graph for the
+                    data-parallel fast path, which compiles the module's forward on the
+                    local tensors (plain tensors in the graph, as compiled torch)
+  global-traced     the same, torch.compile(model, fullgraph=True): one graph, traced op by
+                    op through the global tensors (parameters are global tensors in it)
   dtensor-compiled  DTensor (Replicate parameters, Shard(0) batch), torch.compile(model)
 world of two (each rank holds half the batch)
   ddp-eager         torch DistributedDataParallel (the anchor)
@@ -19,12 +20,12 @@ world of two (each rank holds half the batch)
                     whole batch's BatchNorm statistics, the work of global-compiled
   global-eager      parameters broadcast, batch split(0) over both ranks
   global-compiled   the same, torch.compile(model): logical BatchNorm (the whole batch's
-                    statistics: a small all-reduce per layer forward and backward)
+                    statistics: a small all-reduce per layer forward and backward), which
+                    a compiled local forward cannot do, so it is traced op by op
   global-local-compiled  the same with per-shard BatchNorm
                     (`sbp.nn.data_parallel(model, batch_norm="local")`), which is what
-                    DDP computes: the same work as ddp-compiled
-  global-dp-compiled  per-shard BatchNorm on the fast path, its local forward compiled
-                    (`sbp.nn.data_parallel(model, batch_norm="local", compile=True)`)
+                    DDP computes: the same work as ddp-compiled; the fast path, its local
+                    forward compiled
 
 Target: global-compiled (and global-local-compiled) within 1.10x of torch-compiled (world
 of one) and of ddp-compiled (world of two); where ddp-syncbn-compiled runs, it is
@@ -101,11 +102,10 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         except Exception as e:  # a method that cannot be set up is reported, not fatal
             methods[name] = _failing(_reason(e))
 
-    def global_model(compiled, batch_norm="global", local_compiled=False):
+    def global_model(compiled, batch_norm="global", fullgraph=False):
         m = _model().to(device).to_global(P, sbp.broadcast)
-        options = {"backend": backend} if local_compiled else None
-        sbp.nn.data_parallel(m, batch_norm=batch_norm, compile=options)
-        run = torch.compile(m, backend=backend) if compiled else m
+        sbp.nn.data_parallel(m, batch_norm=batch_norm)
+        run = torch.compile(m, backend=backend, fullgraph=fullgraph) if compiled else m
         return _step(run, _sgd(m), gx, gy)
 
     if world == 1:
@@ -113,7 +113,7 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         add("torch-compiled", lambda: _plain(True, backend, x, y))
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
-        add("global-dp-compiled", lambda: global_model(False, local_compiled=True))
+        add("global-traced", lambda: global_model(True, fullgraph=True))
         add("dtensor-compiled", lambda: _dtensor(world, backend, xl, yl, device))
     else:
         add("ddp-eager", lambda: _ddp(False, backend, xl, yl))
@@ -121,7 +121,6 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
         add("global-local-compiled", lambda: global_model(True, "local"))
-        add("global-dp-compiled", lambda: global_model(False, "local", True))
         # Last: SyncBatchNorm breaks the graph at every layer, and the recompilations that
         # follow reach Dynamo's limit for mobilenet_v2's code objects, which are shared by
         # every model in the process; compiled first, later rows fell back to eager frames.

@@ -80,8 +80,9 @@ def _train(
     compiled=False,
     compile_local=None,
 ):
-    """`fast`: the fast path on or off; `compiled`: the model under torch.compile (aot_eager);
-    `compile_local`: torch.compile options for the fast path's local forward."""
+    """`fast`: the fast path on or off; `compiled`: the model under torch.compile (aot_eager,
+    fullgraph; or with `compiled` as the backend, graph breaks allowed); `compile_local`:
+    torch.compile options for the fast path's local forward."""
     import sbp.nn
 
     torch.manual_seed(0)
@@ -96,7 +97,10 @@ def _train(
         if opt == "sgd"
         else torch.optim.AdamW(params, lr=1e-2)
     )
-    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    if compiled is True:
+        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    else:
+        run = torch.compile(model, backend=compiled) if compiled else model
     losses, paths = [], []
     for x, y in data:
         if placement is not None:
@@ -466,7 +470,7 @@ def test_batch_norm_cumulative_average_on_the_fast_path(pool2, world):
         assert _rel(got[2], ref[2]) < 1e-12  # running statistics and num_batches_tracked
 
 
-@pytest.mark.parametrize("path", ["fast", "per-op", "compiled", "compile-local"])
+@pytest.mark.parametrize("path", ["fast", "per-op", "compiled", "compile-local", "compile-model"])
 def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
     """The fast path, op by op (`sbp::shard_batch_norm`), torch.compile (the same op in
     the graph, one broadcast of the running statistics) and the fast path with its local
@@ -481,10 +485,10 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
             ConvBN,
             P,
             S0,
-            path in ("fast", "compile-local"),
+            path in ("fast", "compile-local", "compile-model"),
             data,
             batch_norm="local",
-            compiled=path == "compiled",
+            compiled={"compiled": True, "compile-model": "aot_eager"}.get(path, False),
             compile_local={"backend": "aot_eager"} if path == "compile-local" else None,
         )
         torch.manual_seed(0)
@@ -500,9 +504,7 @@ def test_per_shard_batch_norm_equals_torch_ddp(pool2, path):
             dist.broadcast(b, 0)  # torch DDP's buffers are rank 0's (it broadcasts them)
         return got, [p.detach() for p in ddp.module.parameters()], buffers
 
-    expected_path = {"fast": "fast", "per-op": "per-op", "compiled": "", "compile-local": "fast"}[
-        path
-    ]
+    expected_path = {"per-op": "per-op", "compiled": "traced"}.get(path, "fast")
     for got, ddp_params, ddp_buffers in pool2.run(run):  # every rank's buffers: rank 0's
         assert got[3] == [expected_path] * 3
         assert _rel(got[1], ddp_params) < 1e-12
@@ -810,6 +812,83 @@ def test_compiled_local_forward_on_one_rank():
     assert _rel(got[1], ref[1]) < 1e-12
     assert _rel(got[2], ref[2]) < 1e-12  # running statistics and num_batches_tracked
     assert got[4] == {(B,)}
+
+
+def _recording_backend():
+    """A torch.compile backend that runs graphs as traced and notes each graph's inputs'
+    types and its ops."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        types = {type(t) for t in example_inputs if isinstance(t, torch.Tensor)}
+        ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        graphs.append((types, ops))
+        return gm.forward
+
+    return backend, graphs
+
+
+def _convolutions_on(graphs, tensor_type) -> bool:
+    return any(tensor_type in types and any("conv" in op for op in ops) for types, ops in graphs)
+
+
+def test_torch_compile_of_a_model_compiles_its_local_forward():
+    """torch.compile(model) of a data-parallel model: the call leaves the graph for the fast
+    path, which compiles the module's forward on plain local tensors with the same backend
+    (global parameters in the graph cost Python work per parameter every step); equal to
+    one process. An input that is not data-parallel (broadcast) runs op by op, compiled with
+    that backend too; fullgraph=True keeps it all one graph, op by op."""
+    import sbp.nn
+
+    data = _data(n=6, steps=3, shape=(3, 5, 5), classes=4)
+    backend, graphs = _recording_backend()
+    torch._dynamo.reset()
+    got = _train(ConvBN, sbp.placement("cpu", [0]), S0, True, data, compiled=backend)
+    ref = _train(ConvBN, None, None, None, data)
+    assert got[3] == ["fast"] * 3
+    assert _convolutions_on(graphs, torch.Tensor)
+    assert not _convolutions_on(graphs, sbp.GlobalTensor)
+    for a, b in zip(got[0], ref[0], strict=True):
+        assert abs(a - b) <= 1e-12 * abs(b)
+    assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+    assert got[4] == {(B,)}
+
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = ConvBN().double().eval()
+    want = model(data[0][0])
+    model.to_global(P, B)
+    for fullgraph in (False, True):
+        graphs.clear()
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=backend, fullgraph=fullgraph)(_global(data[0][0], P, B))
+        assert sbp.nn.fast_path.state(model).last_path == ("traced" if fullgraph else "per-op")
+        assert _convolutions_on(graphs, sbp.GlobalTensor)
+        assert torch.allclose(out.full_tensor(), want, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+def _torch_compiled_logical(data):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _train(ConvBN, sbp.placement("cpu", [0, 1]), S0, True, data, compiled="aot_eager")
+    torch._dynamo.reset()
+    return got, [str(w.message) for w in caught if "not compiled" in str(w.message)]
+
+
+def test_torch_compile_of_a_model_with_logical_batch_norm(pool2):
+    """Logical BatchNorm over two ranks cannot run in a compiled local forward: under
+    torch.compile(model) the call runs op by op, compiled (the statistics' all-reduces in the
+    graph), without the eager run's warning; equal to one process."""
+    data = _data(n=6, steps=2, shape=(3, 5, 5), classes=4)
+    ref = _train(ConvBN, None, None, None, data)
+    for got, warned in pool2.run(_torch_compiled_logical, data):
+        assert got[3] == ["per-op"] * 2 and warned == []
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
 
 
 def _logical_compile_local(data):

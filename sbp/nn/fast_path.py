@@ -409,7 +409,9 @@ class DataParallel:
         self.batch_norm = "global"
         self.bucket_bytes = gradients.BUCKET_BYTES
         self.sync = True
-        self.last_path = ""  # "fast" or "per-op": how the last call ran (for tests and users)
+        # how the last call ran (for tests and users): "fast", "per-op", or "traced" (op by
+        # op in one graph of torch.compile)
+        self.last_path = ""
         self.trace: list | None = None  # gradient reducer events, when a list
         self._module_ref = module
         self._original = module.forward
@@ -423,17 +425,24 @@ class DataParallel:
         self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
         self.shard_batch_norms: list = []  # batch_norm="local": modules with the per-shard forward
         self.compile_options: dict | None = None  # torch.compile's options for the local forward
-        self._compiled: Callable | None = None  # the local forward, compiled
+        self._compiled: tuple | None = None  # (options, the forward under torch.compile)
         self._compile_declined = False  # warned that a call runs eagerly
+        self.backends: list = []  # backends of torch.compile calls that traced the module
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(args, kwargs)
+
+    def call(self, args: tuple, kwargs: dict, backend: Any = None) -> Any:
+        """One call of the module. `backend`: the call comes from a model under
+        torch.compile (see `_under_torch_compile`), whose backend then compiles the local
+        forward, or the module's forward op by op where the local one cannot be compiled."""
         self.settle_buffers()
         if not self.enabled or env.get_rank() not in self.placement:
-            return self._per_op(args, kwargs)
+            return self._per_op(args, kwargs, backend)
         key, data_nd = self._layout_key(args, kwargs)
         if key is None or not self._params_broadcast():
-            return self._per_op(args, kwargs)
+            return self._per_op(args, kwargs, backend)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = self._check(args, kwargs, data_nd)
@@ -447,14 +456,18 @@ class DataParallel:
                 )
         else:
             self._layouts.move_to_end(key)
-        if not layout.ok:
-            return self._per_op(args, kwargs)
+        if not layout.ok or (
+            backend is not None
+            and self._local_compile_declined(layout, self.group(data_nd)) is not None
+        ):
+            return self._per_op(args, kwargs, backend)
         self.last_path = "fast"
-        return self._run_local(args, kwargs, layout, data_nd)
+        return self._run_local(args, kwargs, layout, data_nd, backend)
 
-    def _per_op(self, args, kwargs):
+    def _per_op(self, args, kwargs, backend=None):
         self.last_path = "per-op"
-        out = self._original(*args, **kwargs)
+        forward = self._original if backend is None else self._compiled_with({"backend": backend})
+        out = forward(*args, **kwargs)
         shard_batch_norm.sync_statistics(self.shard_batch_norms, self.placement)
         return out
 
@@ -566,7 +579,7 @@ class DataParallel:
         self._reducer.on_finish = self.settle_buffers
         self._reducer.forward_started()
 
-    def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple):
+    def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
         grad = torch.is_grad_enabled()
 
         def enter(a):
@@ -580,7 +593,7 @@ class DataParallel:
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
         self._prepare_reducer(data_nd)
         run = _Run(self, layout, data_nd)
-        compiled = self._compiled_forward(run, layout)
+        compiled = self._compiled_forward(run, layout, backend)
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if compiled is not None:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
@@ -615,33 +628,49 @@ class DataParallel:
                 self.settle_buffers()
         return self._wrap(out, layout, data_nd, grad)
 
-    def _compiled_forward(self, run: _Run, layout: Layout):
+    def _compiled_forward(self, run: _Run, layout: Layout, backend=None):
         """The module's forward compiled for local tensors (`data_parallel(module,
-        compile=...)`), or None where this call runs it eagerly: compiling it off, or
-        logical BatchNorm over several ranks, which the eager run intercepts per call."""
-        if self.compile_options is None:
-            return None
-        # (what the checking pass recorded, not module.training: a BatchNorm submodule
-        # may be in train mode inside a model in eval mode, as when adapting statistics)
-        if layout.bn_counts and (
-            (len(run.group) > 1 and self.batch_norm == "global") or not layout.in_modules
-        ):
+        compile=...)`, or the backend of a torch.compile'd model), or None where this call
+        runs it eagerly: compiling it off, or where the eager run must intercept
+        BatchNorm calls (`_local_compile_declined`)."""
+        options = self.compile_options
+        if options is None:
+            if backend is None:
+                return None
+            options = {"backend": backend}
+        why = self._local_compile_declined(layout, run.group)
+        if why is not None:
             if not self._compile_declined:
                 self._compile_declined = True
-                why = (
-                    "logical BatchNorm over several ranks"
-                    if layout.in_modules
-                    else "F.batch_norm called outside BatchNorm modules"
-                )
                 warnings.warn(
                     f"sbp: {type(self._module_ref).__name__} runs its local forward eagerly, "
                     f"not compiled: {why} (batch_norm='local' compiles)",
                     stacklevel=4,
                 )
             return None
-        if self._compiled is None:
-            self._compiled = torch.compile(self._original, **self.compile_options)
-        return self._compiled
+        return self._compiled_with(options)
+
+    def _local_compile_declined(self, layout: Layout, group: tuple[int, ...]) -> str | None:
+        """Why the local forward cannot be compiled for this layout, or None: logical
+        BatchNorm over several ranks, or F.batch_norm outside BatchNorm modules, which the
+        eager run intercepts per call. `group`: the ranks splitting the batch."""
+        # (what the checking pass recorded, not module.training: a BatchNorm submodule
+        # may be in train mode inside a model in eval mode, as when adapting statistics)
+        if not layout.bn_counts:
+            return None
+        if not layout.in_modules:
+            return "F.batch_norm called outside BatchNorm modules"
+        if self.batch_norm == "global" and len(group) > 1:
+            return "logical BatchNorm over several ranks"
+        return None
+
+    def _compiled_with(self, options: dict) -> Callable:
+        """The module's own forward under torch.compile with `options`, made once per
+        options: it compiles for local tensors (the fast path) and for global ones (op by
+        op) alike, each with its own guards."""
+        if self._compiled is None or self._compiled[0] != options:
+            self._compiled = (dict(options), torch.compile(self._original, **options))
+        return self._compiled[1]
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
@@ -713,9 +742,14 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # torch.compile traces the module op by op
+        if torch.compiler.is_compiling():
+            fast = self.__dict__[ATTR]
+            backend = _under_torch_compile(fast)
+            if backend >= 0:  # leave the graph: the call runs as below, compiled inside
+                return _call_from_compiled(fast, args, kwargs, backend)
+            # one graph (fullgraph=True, torch.export): torch.compile traces it op by op
+            fast.last_path = "traced"
             out = original(self, *args, **kwargs)
-            fast = getattr(self, ATTR)
             shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
             return out
         return self.__dict__[ATTR](*args, **kwargs)
@@ -730,6 +764,41 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
 
 SETTLE_HOOK = "_sbp_settle_buffers_hook"
+
+
+@torch._dynamo.assume_constant_result
+def _under_torch_compile(fast: DataParallel) -> int:
+    """Run by Dynamo, for real, while it traces a model with the fast path (its result is a
+    constant of the trace): which of `fast.backends` compiles the call, or -1 where the
+    trace must stay one graph (fullgraph=True, error_on_graph_break, torch.export).
+
+    Traced op by op, the model's parameters are global tensors in the graph, each costing
+    guards, wrapping and autograd work in Python on every step (~1.6x a compiled torch
+    step on an H100, world of one). Leaving the graph, the call runs the fast path, which
+    compiles the local forward with the same backend: plain tensors in the graph, as in
+    compiled torch DDP (~1.1x)."""
+    try:  # (Dynamo internals: without them the trace stays one graph, as before)
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        if tx.one_graph or getattr(tx, "error_on_graph_break", False):
+            return -1
+        backend = tx.output.compiler_fn
+    except Exception:
+        return -1
+    if backend is None:
+        return -1
+    for i, known in enumerate(fast.backends):
+        if known is backend:
+            return i
+    fast.backends.append(backend)
+    return len(fast.backends) - 1
+
+
+@torch._dynamo.disable
+def _call_from_compiled(fast: DataParallel, args: tuple, kwargs: dict, backend: int) -> Any:
+    """The call of a model under torch.compile, outside its graph (see `_under_torch_compile`)."""
+    return fast.call(args, kwargs, fast.backends[backend])
 
 
 def _settle_buffers(module: torch.nn.Module, *args: Any) -> None:
