@@ -868,6 +868,43 @@ def test_torch_compile_of_a_model_compiles_its_local_forward():
     torch._dynamo.reset()
 
 
+def test_torch_compile_of_a_model_with_varying_batch_sizes():
+    """Global shapes are static in a graph, so each new batch size recompiles the frames
+    around the graph break (they hold no graph), up to Dynamo's limit (8), after which they
+    run eagerly; every call still takes the fast path with the compiled local forward,
+    whose plain tensors Dynamo makes dynamic: two compilations for 14 sizes, each call
+    equal to one process."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    ref = MLP().double()
+    model = copy.deepcopy(ref).to_global(P, B)
+    compiled_graphs, runs = [], []
+
+    def backend(gm, example_inputs):
+        compiled_graphs.append(gm)
+
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=backend)
+    g = torch.Generator().manual_seed(3)
+    sizes = range(2, 16)
+    for n in sizes:
+        x = torch.randn(n, 8, generator=g, dtype=torch.float64)
+        out = step(_global(x, P))
+        assert sbp.nn.fast_path.state(model).last_path == "fast"
+        assert torch.allclose(out.full_tensor(), ref(x), rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+    assert len(compiled_graphs) == 2
+    assert len(runs) == len(sizes)
+
+
 def _torch_compiled_logical(data):
     import warnings
 

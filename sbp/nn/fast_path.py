@@ -581,19 +581,21 @@ class DataParallel:
 
     def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
         grad = torch.is_grad_enabled()
+        self._prepare_reducer(data_nd)
+        run = _Run(self, layout, data_nd)
+        compiled = self._compiled_forward(run, layout, backend)
 
         def enter(a):
             if not isinstance(a, GlobalTensor):
                 return a
             if grad and a.requires_grad:
                 return _EnterLocal.apply(a, _share_spec(a._spec, data_nd))
-            return a._local
+            # (compiled: a new alias, as tracing the global input outside marked its local
+            # tensor's sizes static, and the local graph's batch size may become dynamic)
+            return a._local if compiled is None else a._local.detach()
 
         largs = [enter(a) for a in args]
         lkwargs = {k: enter(v) for k, v in kwargs.items()}
-        self._prepare_reducer(data_nd)
-        run = _Run(self, layout, data_nd)
-        compiled = self._compiled_forward(run, layout, backend)
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if compiled is not None:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
@@ -669,7 +671,14 @@ class DataParallel:
         options: it compiles for local tensors (the fast path) and for global ones (op by
         op) alike, each with its own guards."""
         if self._compiled is None or self._compiled[0] != options:
-            self._compiled = (dict(options), torch.compile(self._original, **options))
+            original = self._original
+
+            # (a frame of sbp's own: torch.compile of a torch.nn method compiles a wrapper
+            # frame shared by every such method, and shares its recompile limit with them)
+            def forward(*args, **kwargs):
+                return original(*args, **kwargs)
+
+            self._compiled = (dict(options), torch.compile(forward, **options))
         return self._compiled[1]
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
@@ -752,7 +761,10 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
             out = original(self, *args, **kwargs)
             shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
             return out
-        return self.__dict__[ATTR](*args, **kwargs)
+        fast = self.__dict__[ATTR]
+        if fast.backends and _dynamo_watching():  # a compiled call whose frame runs eagerly
+            return _call_from_compiled(fast, args, kwargs, len(fast.backends) - 1)
+        return fast(*args, **kwargs)
 
     module.__dict__[ATTR] = fast
     module.forward = types.MethodType(forward, module)
@@ -766,7 +778,6 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 SETTLE_HOOK = "_sbp_settle_buffers_hook"
 
 
-@torch._dynamo.assume_constant_result
 def _under_torch_compile(fast: DataParallel) -> int:
     """Run by Dynamo, for real, while it traces a model with the fast path (its result is a
     constant of the trace): which of `fast.backends` compiles the call, or -1 where the
@@ -777,6 +788,7 @@ def _under_torch_compile(fast: DataParallel) -> int:
     step on an H100, world of one). Leaving the graph, the call runs the fast path, which
     compiles the local forward with the same backend: plain tensors in the graph, as in
     compiled torch DDP (~1.1x)."""
+    global _call_from_compiled
     try:  # (Dynamo internals: without them the trace stays one graph, as before)
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -788,6 +800,8 @@ def _under_torch_compile(fast: DataParallel) -> int:
         return -1
     if backend is None:
         return -1
+    if not hasattr(_call_from_compiled, "_torchdynamo_disable"):
+        _call_from_compiled = torch._dynamo.disable(_call_from_compiled)
     for i, known in enumerate(fast.backends):
         if known is backend:
             return i
@@ -795,9 +809,31 @@ def _under_torch_compile(fast: DataParallel) -> int:
     return len(fast.backends) - 1
 
 
-@torch._dynamo.disable
+def _dynamo_watching() -> bool:
+    """Is this eager call inside a torch.compile'd call? Dynamo runs a frame eagerly past
+    its recompile limit (a new input shape recompiles the frames around the graph break:
+    global shapes are static), with its callback still set for the frames it calls. The
+    call then still takes the fast path with the compiled local forward, whose plain
+    tensors Dynamo makes dynamic after the second shape."""
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    except ImportError:
+        return False
+    prior = set_eval_frame(None)  # (None outside torch.compile; past the limit, False)
+    set_eval_frame(prior)
+    return prior is not None
+
+
+# Dynamo runs it for real while tracing and takes its result as a constant (what
+# `torch._dynamo.assume_constant_result` marks; importing torch._dynamo to call that
+# would cost every `import sbp` seconds)
+_under_torch_compile._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _call_from_compiled(fast: DataParallel, args: tuple, kwargs: dict, backend: int) -> Any:
-    """The call of a model under torch.compile, outside its graph (see `_under_torch_compile`)."""
+    """The call of a model under torch.compile, outside its graph (see `_under_torch_compile`,
+    which wraps this in `torch._dynamo.disable` before a trace reaches it: Dynamo leaves the
+    graph at its call, and the frames it runs are not traced)."""
     return fast.call(args, kwargs, fast.backends[backend])
 
 
