@@ -457,8 +457,7 @@ class DataParallel:
         else:
             self._layouts.move_to_end(key)
         if not layout.ok or (
-            backend is not None
-            and self._local_compile_declined(layout, self.group(data_nd)) is not None
+            backend is not None and self._local_compile_declined(layout, data_nd) is not None
         ):
             return self._per_op(args, kwargs, backend)
         self.last_path = "fast"
@@ -640,7 +639,7 @@ class DataParallel:
             if backend is None:
                 return None
             options = {"backend": backend}
-        why = self._local_compile_declined(layout, run.group)
+        why = self._local_compile_declined(layout, run.data_nd)
         if why is not None:
             if not self._compile_declined:
                 self._compile_declined = True
@@ -652,17 +651,17 @@ class DataParallel:
             return None
         return self._compiled_with(options)
 
-    def _local_compile_declined(self, layout: Layout, group: tuple[int, ...]) -> str | None:
+    def _local_compile_declined(self, layout: Layout, data_nd: tuple) -> str | None:
         """Why the local forward cannot be compiled for this layout, or None: logical
-        BatchNorm over several ranks, or F.batch_norm outside BatchNorm modules, which the
-        eager run intercepts per call. `group`: the ranks splitting the batch."""
+        BatchNorm over several ranks (the ranks splitting the batch, by `data_nd`), or
+        F.batch_norm outside BatchNorm modules, which the eager run intercepts per call."""
         # (what the checking pass recorded, not module.training: a BatchNorm submodule
         # may be in train mode inside a model in eval mode, as when adapting statistics)
         if not layout.bn_counts:
             return None
         if not layout.in_modules:
             return "F.batch_norm called outside BatchNorm modules"
-        if self.batch_norm == "global" and len(group) > 1:
+        if self.batch_norm == "global" and len(self.group(data_nd)) > 1:
             return "logical BatchNorm over several ranks"
         return None
 
@@ -751,8 +750,8 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        fast = self.__dict__[ATTR]
         if torch.compiler.is_compiling():
-            fast = self.__dict__[ATTR]
             backend = _under_torch_compile(fast)
             if backend >= 0:  # leave the graph: the call runs as below, compiled inside
                 return _call_from_compiled(fast, args, kwargs, backend)
@@ -761,7 +760,6 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
             out = original(self, *args, **kwargs)
             shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
             return out
-        fast = self.__dict__[ATTR]
         if fast.backends and _dynamo_watching():  # a compiled call whose frame runs eagerly
             return _call_from_compiled(fast, args, kwargs, len(fast.backends) - 1)
         return fast(*args, **kwargs)
