@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sbp import env
+from sbp import env, gradients
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -40,6 +40,7 @@ from sbp.tensor import GlobalTensor
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
 _GRAD = attrgetter("grad")
+_ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
 
 
 def prefer_foreach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -105,6 +106,17 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.__dict__[_GLOBAL_STEP] = global_step
     optimizer.step = types.MethodType(step, optimizer)
+    optimizer.__dict__[_ZERO_GRAD] = optimizer.zero_grad
+    optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)
+
+
+def _zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """zero_grad that drops waiting gradients as they are, plain: reading them,
+    as torch's zero_grad does, would wrap each in a global tensor only to drop it."""
+    if set_to_none:
+        for group in optimizer.param_groups:
+            gradients.drop_waiting(group["params"])
+    optimizer.__dict__[_ZERO_GRAD](set_to_none)
 
 
 def _step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -136,7 +148,7 @@ class _Swap:
             sts = _qualifying_states(g, state)
             if sts is not None:
                 params = g["params"]
-                given = [None if grad is None else grad._local for grad in map(_GRAD, params)]
+                given = list(map(gradients.local_grad, params))
                 groups.append((g, params, list(map(_LOCAL, params)), sts, given))
         if not groups:
             return None
@@ -230,7 +242,9 @@ def _qualifying_states(group: dict, state: dict) -> list | None:
     whole = normalize_nd_sbp((broadcast,) * placement.ndim, placement.ndim)  # (interned)
     if not (_all_whole(params, whole, placement) and env.get_rank() in placement):
         return None
-    if not _all_whole([g for g in map(_GRAD, params) if g is not None], whole, placement):
+    # (a waiting gradient, kept plain, is whole: `sbp.gradients.take_waiting`)
+    grads = [g for g in map(gradients.TORCH_GRAD.__get__, params) if g is not None]
+    if not _all_whole(grads, whole, placement):
         return None
     sts = list(map(state.get, params))
     held = [

@@ -41,6 +41,7 @@ class GlobalTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: GlobalSpec
+    _waiting_grad: torch.Tensor | None = None  # (a parameter's: see `grad`)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
@@ -173,6 +174,24 @@ class GlobalTensor(torch.Tensor):
         if self._local.is_contiguous(memory_format=memory_format):
             return self
         return self.clone(memory_format=memory_format)
+
+    @property
+    def grad(self):
+        """torch's `.grad`; a gradient the data-parallel fast path left waiting, plain, is
+        wrapped in first (`sbp.gradients.take_waiting`)."""
+        if self._waiting_grad is not None:
+            gradients.take_waiting(self)
+        return gradients.TORCH_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        gradients.TORCH_GRAD.__set__(self, value)
+        if self._waiting_grad is not None:
+            self._waiting_grad = None
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
 
     @property
     def data(self):

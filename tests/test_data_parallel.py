@@ -176,6 +176,67 @@ def test_world_of_one():
     assert _rel(got[1], ref[1]) < 1e-12
 
 
+def _grad_rules(global_model, x, y, P):
+    """What users do to `.grad` between backwards, on `global_model` (P given) or, with P
+    None, on the same model in one process: backward twice unread, clear one gradient
+    and replace another, zero in place, drop. Returns the gradients after each."""
+    params = list(global_model.parameters())
+    full = (lambda g: g.full_tensor().clone()) if P is not None else (lambda g: g.clone())
+    opt = torch.optim.SGD(params, lr=0.1)
+
+    def loss():
+        if P is None:
+            return F.cross_entropy(global_model(x), y)
+        return _loss(global_model, x, y, P)
+
+    seen = []
+    loss().backward()
+    plain = []
+    if P is not None:  # waiting plain: no global gradient made until one is read
+        plain = [type(p.__dict__.get("_waiting_grad")) for p in params]
+    loss().backward()  # accumulates onto the unread gradients
+    seen.append([full(p.grad) for p in params])
+    params[0].grad = None
+    params[1].grad = torch.ones_like(params[1])
+    loss().backward()
+    seen.append([full(p.grad) for p in params])
+    opt.zero_grad(set_to_none=False)
+    seen.append([bool((full(p.grad) == 0).all()) for p in params])
+    loss().backward()
+    opt.step()  # (the optimizer takes the gradients as they are)
+    opt.zero_grad()
+    seen.append([p.grad is None for p in params])
+    loss().backward()
+    opt.step()
+    seen.append([full(p.detach()) for p in params])
+    return seen, plain
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradients_wait_plain_and_behave_as_torch_grads(pool2, world):
+    """The fast path leaves each summed gradient plain on its parameter until `.grad` is
+    read; reading, accumulating, replacing, zeroing and stepping give torch's numbers."""
+    ((x, y),) = _data(steps=1)
+
+    def run(world):
+        P = sbp.placement("cpu", list(range(world)))
+        torch.manual_seed(0)
+        model = MLP().double().to_global(P, B)
+        out = _grad_rules(model, x, y, P)
+        return out, sbp.nn.fast_path.state(model).last_path
+
+    (seen, plain), path = pool2.run(run, world)[0]
+    torch.manual_seed(0)
+    want, _ = _grad_rules(MLP().double(), x, y, None)
+    assert path == "fast"
+    assert plain == [torch.Tensor] * len(plain) and plain
+    for got, ref in zip(seen, want, strict=True):
+        if isinstance(ref[0], bool):
+            assert got == ref
+        else:
+            assert _rel(got, ref) < 1e-12
+
+
 class _FailOnce(torch.autograd.Function):
     """The identity, whose backward raises while `fail` is set."""
 

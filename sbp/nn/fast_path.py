@@ -20,7 +20,8 @@ layout runs the module's own forward on local tensors:
   broadcast output becomes a partial sum, so every local gradient is this
   rank's share of the logical one;
 - the leaves' gradients are summed by `sbp.gradients.Reducer`, bucket by
-  bucket during backward, and land in each parameter's `.grad` in its sbp.
+  bucket during backward, and land in each parameter's `.grad` in its sbp
+  (kept plain until `.grad` is read: `sbp.gradients.take_waiting`).
 Anything else (another layout, parameters that are not broadcast, a module
 whose check failed, ranks outside the placement) runs op by op as before.
 """
