@@ -9,29 +9,34 @@ per SGD step. And torch picks its kernels (foreach, fused) as it does for plain 
 
 An optimizer's first step runs on the global tensors, through the list rules
 (`sbp.ops.optim`), and `install` (a global step pre-hook) gives the optimizer a `step`
-of its own. Every later step puts, for each group that qualifies, the locals in
-`group["params"]` (their `.grad` the gradients' locals) and, in the optimizer's state,
-each local's state under it (its global tensors' locals); steps; and puts everything
-back, also when the step raises: state the step made or replaced comes back global
+and a `zero_grad` of its own. Every later step puts, for each group that qualifies, the
+locals in `group["params"]` (their `.grad` the gradients' locals, or the plain
+gradients the data-parallel fast path left waiting: `sbp.gradients.take_waiting`) and,
+in the optimizer's state, each local's state under it (its global tensors' locals);
+steps; and puts everything back, also when the step raises: state the step made or replaced comes back global
 (0-dim numbers such as step counts stay plain, as torch makes them), and gradients a
 step hook set or dropped on the locals become the parameters'. A group with a tensor
 that is not broadcast (tensor-parallel weights, a `no_sync` partial gradient), a
 differentiable group, a step given a closure (it runs backward) and a step being
 traced run on the global tensors as before. Step hooks registered on the optimizer
-see the locals.
+see the locals. What a group's swap needs is kept from one step to the next
+(`_GroupSwap`) while its parameters and state tensors stay the same objects.
 """
 
 from __future__ import annotations
 
 import sys
 import types
-from itertools import repeat
+from collections import deque
+from collections.abc import Iterator
+from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any
 
 import torch
 
 from sbp import env, gradients
+from sbp.gradients import TORCH_GRAD
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -39,7 +44,9 @@ from sbp.tensor import GlobalTensor
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
-_GRAD = attrgetter("grad")
+_GRAD, _WAITING = attrgetter("grad"), attrgetter("_waiting_grad")
+_KEPT = "_sbp_group_swaps"  # {id(param group): its _GroupSwap}
+_NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
 
 
@@ -135,64 +142,172 @@ def _step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
 class _Swap:
     """The locals put in an optimizer's qualifying groups and state for one step."""
 
-    def __init__(self, optimizer, groups):
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list):
         self.optimizer = optimizer
-        # [(group, its global params, their locals, their states, the .grad given to each)]
+        # [(the group's _GroupSwap, its params list as found, the .grad given to each local)]
         self.groups = groups
 
     @staticmethod
     def make(optimizer: torch.optim.Optimizer) -> _Swap | None:
         state = optimizer.state
+        kept = optimizer.__dict__.setdefault(_KEPT, {})
         groups = []
         for g in optimizer.param_groups:
-            sts = _qualifying_states(g, state)
-            if sts is not None:
-                params = g["params"]
-                given = list(map(gradients.local_grad, params))
-                groups.append((g, params, list(map(_LOCAL, params)), sts, given))
+            swap = kept.get(id(g))
+            if swap is None or not swap.fits(g, state):
+                swap = kept[id(g)] = _GroupSwap.of(g, state)
+            given = None if swap is None else swap.grads()
+            if given is not None:
+                groups.append((swap, g["params"], given))
         if not groups:
             return None
         try:
-            for _, _, locals_, _, given in groups:
-                for local, grad in zip(locals_, given, strict=True):
-                    local.grad = grad
+            for swap, _, given in groups:
+                _run(map(TORCH_GRAD.__set__, swap.locals_, given))
         except RuntimeError:  # a gradient torch refuses for its parameter (dtype, shape)
-            for _, _, locals_, _, _ in groups:
-                for local in locals_:
-                    local.grad = None
+            for swap, _, _ in groups:
+                _run(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
             return None
-        # The state of a local is kept under it in the optimizer's own state for the step,
-        # so whatever else the step does to the state stays.
-        for g, _, locals_, sts, _ in groups:
-            for local, st in zip(locals_, sts, strict=True):
-                if st is not None:
-                    state[local] = {
-                        k: v._local if type(v) is GlobalTensor else v for k, v in st.items()
-                    }
-            _prefer_foreach(g)  # (while its params are global)
-            g["params"] = locals_
+        for swap, _, _ in groups:
+            # The state of a local is kept under it in the optimizer's own state for the
+            # step, so whatever else the step does to the state stays.
+            state.update(swap.inserts)
+            _prefer_foreach(swap.group)  # (while its params are global)
+            swap.group["params"] = list(swap.locals_)
         return _Swap(optimizer, groups)
 
     def undo(self) -> None:
         state = self.optimizer.state
-        for g, params, locals_, sts, given in self.groups:
+        kept = self.optimizer.__dict__[_KEPT]
+        for swap, params, given in self.groups:
+            g = swap.group
             g["params"] = params
             _restore_foreach(g)  # (the post-hook did, unless the step raised)
-            now = list(map(_GRAD, locals_))
+            now = list(map(_GRAD, swap.locals_))
             if not all(map(is_, now, given)):  # (a step hook set or dropped gradients)
-                _grads_back(params, now, given)
-            for p, local, st in zip(params, locals_, sts, strict=True):
-                local.grad = None
-                stepped = state.pop(local, None)
-                if stepped is None:
-                    continue
-                if st is None:
-                    st = state[p]
-                elif len(stepped) == len(st) and all(
-                    map(_is_local_of, stepped.values(), st.values())
-                ):
-                    continue  # (updated in place: the usual step)
-                _put_back(p, stepped, st)
+                _grads_back(swap.params, now, given)
+            _run(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
+            stepped = list(map(state.pop, swap.locals_, repeat(None)))
+            if not swap.unchanged(stepped):
+                kept.pop(id(g), None)
+                swap.put_back(stepped, state)
+
+
+class _GroupSwap:
+    """A qualifying param group's locals and their state, made once and kept from step to
+    step: a later step checks, in C loops, that the group holds the same parameters with
+    the same specs and locals, and the state the same tensors, and reuses the rest. Making
+    it anew costs ~5 us per parameter, mostly dictionaries of locals for the state."""
+
+    def __init__(self, group: dict, sts: list[dict], whole: tuple):
+        params = group["params"]
+        self.group, self.params, self.whole = group, list(params), whole
+        self.specs = list(map(_SPEC, params))
+        self.locals_ = list(map(_LOCAL, params))
+        self.sts = sts
+        self.keys = list(chain.from_iterable(sts))
+        self.values = list(chain.from_iterable(map(dict.values, sts)))
+        self.value_locals = list(map(getattr, self.values, repeat("_local"), self.values))
+        self.value_specs = list(map(getattr, self.values, repeat("_spec"), repeat(None)))
+        # the state a step on a local sees: its tensors' locals (None: no state yet)
+        self.local_sts = [
+            None
+            if st is _NO_STATE
+            else {k: v._local if type(v) is GlobalTensor else v for k, v in st.items()}
+            for st in sts
+        ]
+        self.inserts = [
+            (local, st)
+            for local, st in zip(self.locals_, self.local_sts, strict=True)
+            if st is not None
+        ]
+        self.local_keys = list(chain.from_iterable(filter(None, self.local_sts)))
+        self.local_values = list(
+            chain.from_iterable(map(dict.values, filter(None, self.local_sts)))
+        )
+
+    @staticmethod
+    def of(group: dict, state: dict) -> _GroupSwap | None:
+        """The group's swap when every parameter and state tensor of the group is broadcast
+        global on one placement that holds this rank (so each local is the whole tensor);
+        else None. A differentiable group stays global (its update is part of an autograd
+        graph of the global tensors)."""
+        params = group["params"]
+        if not params or group.get("differentiable") or type(params[0]) is not GlobalTensor:
+            return None
+        placement = params[0]._spec.placement
+        whole = normalize_nd_sbp((broadcast,) * placement.ndim, placement.ndim)  # (interned)
+        if not (_all_whole(params, whole, placement) and env.get_rank() in placement):
+            return None
+        sts = list(map(state.get, params, repeat(_NO_STATE)))
+        held = [
+            v
+            for v in chain.from_iterable(map(dict.values, sts))
+            if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
+        ]  # (plain tensors in the state are numbers such as step counts)
+        return _GroupSwap(group, sts, whole) if _all_whole(held, whole, placement) else None
+
+    def fits(self, group: dict, state: dict) -> bool:
+        """Still this group, its parameters, their specs, locals and state tensors?"""
+        params = group["params"]
+        if not (
+            group is self.group
+            and not group.get("differentiable")
+            and len(params) == len(self.params)
+            and all(map(is_, params, self.params))
+            and all(map(is_, map(_SPEC, params), self.specs))
+            and all(map(is_, map(_LOCAL, params), self.locals_))
+        ):
+            return False
+        sts = list(map(state.get, params, repeat(_NO_STATE)))
+        if not all(map(is_, sts, self.sts)):
+            return False
+        values = list(chain.from_iterable(map(dict.values, sts)))
+        return (
+            len(values) == len(self.values)
+            and all(map(is_, values, self.values))
+            and all(map(is_, chain.from_iterable(sts), self.keys))
+            and all(map(is_, map(getattr, values, repeat("_local"), values), self.value_locals))
+            and all(map(is_, map(getattr, values, repeat("_spec"), repeat(None)), self.value_specs))
+        )
+
+    def grads(self) -> list | None:
+        """The local of each parameter's gradient, when all are whole (else None)."""
+        raw = list(map(TORCH_GRAD.__get__, self.params))
+        if all(map(is_, raw, repeat(None))):  # (the usual: all waiting, plain)
+            return list(map(_WAITING, self.params))
+        placement = self.specs[0].placement
+        if not _all_whole([g for g in raw if g is not None], self.whole, placement):
+            return None
+        return list(map(gradients.local_grad, self.params))
+
+    def unchanged(self, stepped: list) -> bool:
+        """Did the step update the state only in place (the usual step)?"""
+        if not all(map(is_, stepped, self.local_sts)):
+            return False
+        dicts = list(filter(None, stepped))
+        values = list(chain.from_iterable(map(dict.values, dicts)))
+        return (
+            len(values) == len(self.local_values)
+            and all(map(is_, values, self.local_values))
+            and all(map(is_, chain.from_iterable(dicts), self.local_keys))
+        )
+
+    def put_back(self, stepped: list, state: dict) -> None:
+        """Write what the step changed in the locals' state into the global state."""
+        for p, st, new in zip(self.params, self.sts, stepped, strict=True):
+            if new is None:
+                continue
+            if st is _NO_STATE:
+                st = state[p]
+            elif len(new) == len(st) and all(map(_is_local_of, new.values(), st.values())):
+                continue  # (updated in place)
+            _put_back(p, new, st)
+
+
+def _run(calls: Iterator) -> None:
+    """Run a lazy map of calls, in C."""
+    deque(calls, maxlen=0)
 
 
 def _is_local_of(v: Any, old: Any) -> bool:
@@ -228,33 +343,6 @@ def _put_back(p: GlobalTensor, stepped: dict, st: dict) -> None:
 def _whole_like(p: GlobalTensor, local: torch.Tensor) -> GlobalTensor:
     """`local` as a global tensor laid out as `p` (broadcast: it is the whole tensor)."""
     return GlobalTensor(local, p._spec._replace(shape=tuple(local.shape), dtype=local.dtype))
-
-
-def _qualifying_states(group: dict, state: dict) -> list | None:
-    """Each parameter's state (None where it has none) when every parameter, gradient and
-    state tensor of the group is broadcast global on one placement that holds this rank (so
-    each local is the whole tensor); else None. A differentiable group stays global (its
-    update is part of an autograd graph of the global tensors)."""
-    params = group["params"]
-    if not params or group.get("differentiable") or type(params[0]) is not GlobalTensor:
-        return None
-    placement = params[0]._spec.placement
-    whole = normalize_nd_sbp((broadcast,) * placement.ndim, placement.ndim)  # (interned)
-    if not (_all_whole(params, whole, placement) and env.get_rank() in placement):
-        return None
-    # (a waiting gradient, kept plain, is whole: `sbp.gradients.take_waiting`)
-    grads = [g for g in map(gradients.TORCH_GRAD.__get__, params) if g is not None]
-    if not _all_whole(grads, whole, placement):
-        return None
-    sts = list(map(state.get, params))
-    held = [
-        v
-        for st in sts
-        if st
-        for v in st.values()
-        if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
-    ]  # (plain tensors in the state are numbers such as step counts)
-    return sts if _all_whole(held, whole, placement) else None
 
 
 def _all_whole(tensors: list, whole: tuple, placement) -> bool:

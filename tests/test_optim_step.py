@@ -328,3 +328,42 @@ def test_zero_dim_locals_are_trusted_only_inside_a_step():
     handle.remove()
     with pytest.raises(sbp.PlacementError, match="local torch.Tensor of shape"):
         g * torch.tensor(2.0, dtype=torch.float64)
+
+
+def test_kept_group_swaps_follow_changes_between_steps(swaps, monkeypatch):
+    """A group's locals and state are reused from step to step (`_GroupSwap`), and made
+    anew when what they came from changed between steps: a state tensor replaced, a
+    parameter's data replaced, the state loaded. A params list replaced by an equal one
+    keeps them, and gets its own list back after the step."""
+    made = []
+    of = optim_step._GroupSwap.of
+    monkeypatch.setattr(
+        optim_step._GroupSwap, "of", staticmethod(lambda g, st: made.append(1) or of(g, st))
+    )
+    plain, glob, popt, gopt = _pair("sgd")
+    batches = _batches(8)
+    lists = {}
+
+    def change(model, opt, i):
+        params = list(model.parameters())
+        as_model = (lambda t: t.to_global(P1, B)) if model is glob else (lambda t: t)
+        if i == 2:
+            opt.state[params[0]]["momentum_buffer"] = as_model(torch.full((7, 5), 0.01).double())
+        elif i == 3:
+            params[2].data = as_model(torch.full((3, 7), 0.2).double())
+        elif i == 4:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        elif i == 5:
+            lists[model] = opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+
+    for model, opt in ((plain, popt), (glob, gopt)):
+        for i, x in enumerate(batches):
+            opt.zero_grad()
+            _loss(model, x).backward()
+            change(model, opt, i)
+            opt.step()
+    assert swaps == [True] * 7
+    # made at steps 2 (the state is new), 3, 4, 5: reused at 6, 7, 8
+    assert len(made) == 4
+    assert gopt.param_groups[0]["params"] is lists[glob]
+    _assert_same(plain, glob, popt, gopt)
