@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections import deque
 from collections.abc import Callable
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_
 
 import torch
 
 from sbp import comm, env
 
 BUCKET_BYTES = 25 * 2**20
-_GRAD = attrgetter("grad")
+_GRAD, _WAITING = attrgetter("grad"), attrgetter("_waiting_grad")
 _pending: dict = {}  # id(grad) -> (weak reference, target nd_sbp), in arrival order
 TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor's
 
@@ -253,10 +255,15 @@ class Reducer:
                     grad = TORCH_GRAD.__get__(p)
                     if grad is not None and grad._spec.nd_sbp == self.partial_nd:
                         grad._spec = grad._spec._replace(nd_sbp=p._spec.nd_sbp)
-            for i, grad in enumerate(map(_GRAD, self.leaves)):
+            grads = list(map(_GRAD, self.leaves))
+            deque(map(TORCH_GRAD.__set__, self.leaves, repeat(None)), maxlen=0)
+            if self.sync and all(map(is_, map(_WAITING, self.params), repeat(None))):
+                # (the usual step: zero_grad dropped every gradient; in C loops)
+                deque(map(setattr, self.params, repeat("_waiting_grad"), grads), maxlen=0)
+                return
+            for i, grad in enumerate(grads):
                 if grad is None:
                     continue
-                self.leaves[i].grad = None
                 if self.sync:
                     self._wait(i, grad)
                 else:
