@@ -929,6 +929,33 @@ def test_torch_compile_of_a_model_compiles_its_local_forward():
     torch._dynamo.reset()
 
 
+def test_torch_compile_with_compile_options_alternating_paths():
+    """A model under torch.compile that also has `data_parallel(compile=...)`, called with a
+    split batch (the fast path, compiled with those options) and a broadcast one (op by op,
+    compiled with torch.compile's backend) in turn: each compiled forward is made once,
+    not again at every switch; every output equals one process."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    ref = MLP().double().eval()
+    model = copy.deepcopy(ref).to_global(P, B)
+    sbp.nn.data_parallel(model, compile={"backend": "eager"})
+    fast = sbp.nn.fast_path.state(model)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    x = torch.randn(6, 8, dtype=torch.float64)
+    made, paths = [], []
+    for nd in (S0, B, S0, B, S0):
+        out = run(_global(x, P, nd))
+        paths.append(fast.last_path)
+        made.append([id(c) for _, c in fast._compiled])
+        assert torch.allclose(out.full_tensor(), ref(x), rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+    assert paths == ["fast", "per-op"] * 2 + ["fast"]
+    assert len(made[-1]) == 2 and all(m == made[-1] for m in made[1:])
+
+
 def test_torch_compile_of_a_model_with_varying_batch_sizes():
     """Global shapes are static in a graph, so each new batch size recompiles the frames
     around the graph break (they hold no graph), up to Dynamo's limit (8), after which they

@@ -426,7 +426,7 @@ class DataParallel:
         self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
         self.shard_batch_norms: list = []  # batch_norm="local": modules with the per-shard forward
         self.compile_options: dict | None = None  # torch.compile's options for the local forward
-        self._compiled: tuple | None = None  # (options, the forward under torch.compile)
+        self._compiled: list = []  # [(options, the forward under torch.compile)]
         self._compile_declined = False  # warned that a call runs eagerly
         self.backends: list = []  # backends of torch.compile calls that traced the module
 
@@ -669,17 +669,21 @@ class DataParallel:
     def _compiled_with(self, options: dict) -> Callable:
         """The module's own forward under torch.compile with `options`, made once per
         options: it compiles for local tensors (the fast path) and for global ones (op by
-        op) alike, each with its own guards."""
-        if self._compiled is None or self._compiled[0] != options:
-            original = self._original
+        op) alike, each with its own guards. A few are kept: a model under torch.compile
+        with `data_parallel(compile=...)` too may switch between two."""
+        for known, compiled in self._compiled:
+            if known == options:
+                return compiled
+        original = self._original
 
-            # (a frame of sbp's own: torch.compile of a torch.nn method compiles a wrapper
-            # frame shared by every such method, and shares its recompile limit with them)
-            def forward(*args, **kwargs):
-                return original(*args, **kwargs)
+        # (a frame of sbp's own: torch.compile of a torch.nn method compiles a wrapper
+        # frame shared by every such method, and shares its recompile limit with them)
+        def forward(*args, **kwargs):
+            return original(*args, **kwargs)
 
-            self._compiled = (dict(options), torch.compile(forward, **options))
-        return self._compiled[1]
+        compiled = torch.compile(forward, **options)
+        self._compiled = [*self._compiled[-3:], (dict(options), compiled)]
+        return compiled
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
@@ -893,7 +897,7 @@ def data_parallel(
             s.compile_options = None
         else:
             s.compile_options = {} if compile is True else dict(compile)
-        s._compiled, s._compile_declined = None, False
+        s._compiled, s._compile_declined = [], False
     if batch_norm is not None:
         if batch_norm not in ("global", "local"):
             raise SbpError(f"batch_norm must be 'global' or 'local', got {batch_norm!r}")
