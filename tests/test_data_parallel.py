@@ -179,7 +179,8 @@ def test_world_of_one():
 def _grad_rules(global_model, x, y, P):
     """What users do to `.grad` between backwards, on `global_model` (P given) or, with P
     None, on the same model in one process: backward twice unread, clear one gradient
-    and replace another, zero in place, drop. Returns the gradients after each."""
+    and replace another, zero in place, drop (the optimizer's zero_grad and the
+    module's). Returns the gradients after each, and the parameters after steps."""
     params = list(global_model.parameters())
     full = (lambda g: g.full_tensor().clone()) if P is not None else (lambda g: g.clone())
     opt = torch.optim.SGD(params, lr=0.1)
@@ -209,6 +210,12 @@ def _grad_rules(global_model, x, y, P):
     loss().backward()
     opt.step()
     seen.append([full(p.detach()) for p in params])
+    global_model.zero_grad()
+    loss().backward()
+    global_model.zero_grad()
+    seen.append([p.grad is None for p in params])
+    loss().backward()
+    seen.append([full(p.grad) for p in params])
     return seen, plain
 
 

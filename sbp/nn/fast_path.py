@@ -771,6 +771,7 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
     module.__dict__[ATTR] = fast
     module.forward = types.MethodType(forward, module)
+    module.zero_grad = types.MethodType(_zero_grad, module)
     if SETTLE_HOOK not in module.__dict__:
         module.__dict__[SETTLE_HOOK] = (
             module.register_state_dict_pre_hook(_settle_buffers),
@@ -779,6 +780,14 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
 
 
 SETTLE_HOOK = "_sbp_settle_buffers_hook"
+
+
+def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
+    """`module.zero_grad()` that drops the gradients waiting plain on its parameters as they
+    are (`sbp.gradients.take_waiting`): torch's reads each, which would wrap it first."""
+    if set_to_none:
+        gradients.drop_waiting(module.parameters())
+    type(module).zero_grad(module, set_to_none)
 
 
 def _under_torch_compile(fast: DataParallel) -> int:
@@ -855,6 +864,7 @@ def detach_fast_path(module: torch.nn.Module) -> None:
         fast.settle_buffers()
         shard_batch_norm.remove(fast.shard_batch_norms)
         module.__dict__.pop("forward", None)
+        module.__dict__.pop("zero_grad", None)
 
 
 def state(module: torch.nn.Module) -> DataParallel:
