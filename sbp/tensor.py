@@ -176,7 +176,7 @@ class GlobalTensor(torch.Tensor):
         return self.clone(memory_format=memory_format)
 
     @property
-    def grad(self):
+    def grad(self) -> torch.Tensor | None:
         """torch's `.grad`; a gradient the data-parallel fast path left waiting, plain, is
         wrapped in first (`sbp.gradients.take_waiting`)."""
         if self._waiting_grad is not None:
