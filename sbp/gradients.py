@@ -31,22 +31,22 @@ TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor
 
 
 def post_accumulate_hook(leaf: torch.Tensor) -> None:
-    """Runs after autograd accumulated `leaf.grad` (see `GlobalTensor.requires_grad_`)."""
-    from sbp.tensor import GlobalTensor, box
-
+    """Runs after autograd accumulated `leaf.grad` (see `GlobalTensor.requires_grad_`);
+    once per parameter and backward, so no spec is rebuilt needlessly."""
     grad = TORCH_GRAD.__get__(leaf)  # (a waiting gradient is whole already: not this one)
-    if not isinstance(grad, GlobalTensor):
+    spec = getattr(grad, "_spec", None)  # (only global tensors have one)
+    if spec is None:
         return
-    target = leaf._spec  # (runs once per parameter and step: no spec is rebuilt needlessly)
+    target = leaf._spec
     if grad.dtype != target.dtype:
         target = target._replace(dtype=grad.dtype)
-    spec = grad._spec
     if spec == target:
         return
+    if target.placement.size == 1 and spec.placement == target.placement:
+        # one rank holds the whole tensor whatever the sbp says: only the label changes
+        grad._spec = target  # (a gradient has its leaf's shape)
+        return
     if _bucketable(spec, target):
-        if target.placement.size == 1:  # a sum over one rank: only the label changes
-            grad._spec = target  # (a gradient has its leaf's shape)
-            return
         if not _pending:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
         known = _pending.get(id(grad))
@@ -56,6 +56,8 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
             _pending.pop(id(grad), None)
             _pending[id(grad)] = (weakref.ref(grad), target.nd_sbp)
         return
+    from sbp.tensor import box
+
     grad._local, grad._spec = box(grad._local, grad._spec, target), target
 
 
