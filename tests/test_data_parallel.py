@@ -244,6 +244,31 @@ def test_gradients_wait_plain_and_behave_as_torch_grads(pool2, world):
             assert _rel(got, ref) < 1e-12
 
 
+def test_a_compiled_optimizer_step_reads_waiting_gradients():
+    """torch.compile(optimizer.step) traces the step on the global tensors, reading each
+    `.grad` through the property that wraps a waiting gradient: equal to one process."""
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    ref = MLP().double()
+    model = copy.deepcopy(ref).to_global(P, B)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend="aot_eager")
+    waiting = []
+    for x, y in _data(steps=3):
+        opt.zero_grad()
+        _loss(model, x, y, P).backward()
+        waiting.append(type(model.head.weight.__dict__.get("_waiting_grad")))
+        step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    torch._dynamo.reset()
+    assert waiting == [torch.Tensor] * 3
+    assert _rel(_gather(model), [p.detach() for p in ref.parameters()]) < 1e-12
+
+
 class _FailOnce(torch.autograd.Function):
     """The identity, whose backward raises while `fail` is set."""
 
