@@ -640,7 +640,8 @@ class DataParallel:
             if backend is None:
                 return None
             options = {"backend": backend}
-        why = self._local_compile_declined(layout, run.data_nd)
+        # (a call from torch.compile was checked in `call`, which ran it op by op if declined)
+        why = None if backend is not None else self._local_compile_declined(layout, run.data_nd)
         if why is not None:
             if not self._compile_declined:
                 self._compile_declined = True
