@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import repeat
 from operator import attrgetter, is_
 
@@ -149,6 +149,11 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     return grad._local
 
 
+def run_all(calls: Iterator) -> None:
+    """Run a lazy map of calls in C (a loop over hundreds of parameters each step)."""
+    deque(calls, maxlen=0)
+
+
 def drop_waiting(params: list) -> None:
     """`zero_grad` of the waiting gradients of `params` (plain tensors have none)."""
     for p in params:
@@ -258,10 +263,10 @@ class Reducer:
                     if grad is not None and grad._spec.nd_sbp == self.partial_nd:
                         grad._spec = grad._spec._replace(nd_sbp=p._spec.nd_sbp)
             grads = list(map(_GRAD, self.leaves))
-            deque(map(TORCH_GRAD.__set__, self.leaves, repeat(None)), maxlen=0)
+            run_all(map(TORCH_GRAD.__set__, self.leaves, repeat(None)))
             if self.sync and all(map(is_, map(_WAITING, self.params), repeat(None))):
                 # (the usual step: zero_grad dropped every gradient; in C loops)
-                deque(map(setattr, self.params, repeat("_waiting_grad"), grads), maxlen=0)
+                run_all(map(setattr, self.params, repeat("_waiting_grad"), grads))
                 return
             for i, grad in enumerate(grads):
                 if grad is None:

@@ -13,9 +13,9 @@ and a `zero_grad` of its own. Every later step puts, for each group that qualifi
 locals in `group["params"]` (their `.grad` the gradients' locals, or the plain
 gradients the data-parallel fast path left waiting: `sbp.gradients.take_waiting`) and,
 in the optimizer's state, each local's state under it (its global tensors' locals);
-steps; and puts everything back, also when the step raises: state the step made or replaced comes back global
-(0-dim numbers such as step counts stay plain, as torch makes them), and gradients a
-step hook set or dropped on the locals become the parameters'. A group with a tensor
+steps; and puts everything back, also when the step raises: state the step made or
+replaced comes back global (0-dim numbers such as step counts stay plain, as torch makes
+them), and gradients a step hook set or dropped on the locals become the parameters'. A group with a tensor
 that is not broadcast (tensor-parallel weights, a `no_sync` partial gradient), a
 differentiable group, a step given a closure (it runs backward) and a step being
 traced run on the global tensors as before. Step hooks registered on the optimizer
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import sys
 import types
-from collections import deque
-from collections.abc import Iterator
 from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any
@@ -36,7 +34,7 @@ from typing import Any
 import torch
 
 from sbp import env, gradients
-from sbp.gradients import TORCH_GRAD
+from sbp.gradients import TORCH_GRAD, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -163,10 +161,10 @@ class _Swap:
             return None
         try:
             for swap, _, given in groups:
-                _run(map(TORCH_GRAD.__set__, swap.locals_, given))
+                run_all(map(TORCH_GRAD.__set__, swap.locals_, given))
         except RuntimeError:  # a gradient torch refuses for its parameter (dtype, shape)
             for swap, _, _ in groups:
-                _run(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
+                run_all(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
             return None
         for swap, _, _ in groups:
             # The state of a local is kept under it in the optimizer's own state for the
@@ -186,7 +184,7 @@ class _Swap:
             now = list(map(_GRAD, swap.locals_))
             if not all(map(is_, now, given)):  # (a step hook set or dropped gradients)
                 _grads_back(swap.params, now, given)
-            _run(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
+            run_all(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
             stepped = list(map(state.pop, swap.locals_, repeat(None)))
             if not swap.unchanged(stepped):
                 kept.pop(id(g), None)
@@ -303,11 +301,6 @@ class _GroupSwap:
             elif len(new) == len(st) and all(map(_is_local_of, new.values(), st.values())):
                 continue  # (updated in place)
             _put_back(p, new, st)
-
-
-def _run(calls: Iterator) -> None:
-    """Run a lazy map of calls, in C."""
-    deque(calls, maxlen=0)
 
 
 def _is_local_of(v: Any, old: Any) -> bool:
