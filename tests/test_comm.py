@@ -244,3 +244,32 @@ def test_small_all_reduce_through_shared_memory(pool4, ranks):
         for k, v in first.items():
             if k != "path":
                 assert torch.equal(v.nan_to_num(), r[k].nan_to_num())
+
+
+def _groups_made_by_their_members_only():
+    """Ranks 0 and 1 make a group that ranks 2 and 3 never see; then ranks 1 and 2 make
+    one, each having made a different number of groups before. torch salts a member-only
+    group's name with such a count: without sbp's naming by rank set, the two would wait
+    for each other under different names until the timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from sbp.comm import groups
+
+    me = sbp.env.get_rank()
+    kwargs = {"use_local_synchronization": True, "timeout": timedelta(seconds=20)}
+    sums = []
+    for ranks in ([0, 1], [1, 2], [0, 2, 3], [1, 2]):
+        if me in ranks:
+            group = groups._new_member_only_group(ranks, kwargs)
+            x = torch.tensor([float(me + 1)])
+            dist.all_reduce(x, group=group)
+            sums.append(x.item())
+    return sums
+
+
+def test_member_only_groups_agree_on_their_names(pool4):
+    expected = {0: [3.0, 8.0], 1: [3.0, 5.0, 5.0], 2: [5.0, 8.0, 5.0], 3: [8.0]}
+    for rank, sums in enumerate(pool4.run(_groups_made_by_their_members_only)):
+        assert sums == expected[rank]

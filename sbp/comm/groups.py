@@ -10,12 +10,15 @@ the collectives permute chunks between placement order and group order
 
 from __future__ import annotations
 
+import hashlib
+
 import torch.distributed as dist
 
 from sbp import env
 from sbp.errors import PlacementError
 
 _groups: dict[tuple[int, ...], object] = {}
+_made_per_rank_set: dict[tuple[int, ...], int] = {}  # groups made by sbp (names stay unique)
 
 
 def get_group(ranks: tuple[int, ...]):
@@ -49,21 +52,32 @@ def group_order(ranks: tuple[int, ...]) -> list[int] | None:
 def _new_member_only_group(ranks: list[int], kwargs: dict):
     """`new_group` called by the members only.
 
-    torch 2.14 salts the hashed name of a member-only group with a global group
-    counter that non-members never advance, so once one group left some ranks
-    out, members of the next one derive different names and wait for each
-    other forever. The name must depend on the rank set alone; we pin the salt
-    while the group is made and give the counter back its own progress after.
+    torch salts the hashed name of a member-only group with a count that non-members
+    never advance (2.14: a global group counter; 2.11: how many groups the rank knows), so
+    once one group left some ranks out, members of the next one derive different names
+    and wait for each other forever. The name must depend on what all members know alike:
+    the rank set and how many groups of that set sbp made before. We name the group while
+    it is made (torch's own naming still runs, for its counters).
     """
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is None or not hasattr(world, "group_count"):
+    key = tuple(ranks)
+    made = _made_per_rank_set[key] = _made_per_rank_set.get(key, 0) + 1
+    c10d = dist.distributed_c10d
+    torch_name = getattr(c10d, "_process_group_name", None)
+    if torch_name is None:
         return dist.new_group(ranks, **kwargs)
-    count = world.group_count
-    world.group_count = 0
+
+    def name_by_rank_set(group_ranks, use_hashed_name):
+        name = torch_name(group_ranks, use_hashed_name=use_hashed_name)
+        if not use_hashed_name:
+            return name
+        unique = f"sbp_{'_'.join(map(str, group_ranks))}_{made}"
+        return hashlib.sha1(unique.encode(), usedforsecurity=False).hexdigest()
+
+    c10d._process_group_name = name_by_rank_set
     try:
         return dist.new_group(ranks, **kwargs)
     finally:
-        world.group_count = count + 1
+        c10d._process_group_name = torch_name
 
 
 def count() -> int:

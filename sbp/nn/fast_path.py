@@ -332,6 +332,7 @@ _SPEC, _LOCAL, _REQUIRES_GRAD = (
     attrgetter("requires_grad"),
 )
 _LEAF_VERSIONS = itertools.count(1)
+_NUMBERS = itertools.count()  # of DataParallel objects
 
 
 class _Slots:
@@ -428,7 +429,8 @@ class DataParallel:
         self.compile_options: dict | None = None  # torch.compile's options for the local forward
         self._compiled: list = []  # [(options, the forward under torch.compile)]
         self._compile_declined = False  # warned that a call runs eagerly
-        self.backends: list = []  # backends of torch.compile calls that traced the module
+        self.backend: int | None = None  # its last compiled call's, in _COMPILE_BACKENDS
+        self.number = next(_NUMBERS)  # what a trace of its call is guarded on
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -758,7 +760,7 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
     def forward(self, *args, **kwargs):
         fast = self.__dict__[ATTR]
         if torch.compiler.is_compiling():
-            backend = _under_torch_compile(fast)
+            backend = _under_torch_compile(fast.number)
             if backend >= 0:  # leave the graph: the call runs as below, compiled inside
                 return _call_from_compiled(fast, args, kwargs, backend)
             # one graph (fullgraph=True, torch.export): torch.compile traces it op by op
@@ -766,8 +768,8 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
             out = original(self, *args, **kwargs)
             shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
             return out
-        if fast.backends and _dynamo_watching():  # a compiled call whose frame runs eagerly
-            return _call_from_compiled(fast, args, kwargs, len(fast.backends) - 1)
+        if fast.backend is not None and _dynamo_watching():  # a compiled call run eagerly
+            return _call_from_compiled(fast, args, kwargs, fast.backend)
         return fast(*args, **kwargs)
 
     module.__dict__[ATTR] = fast
@@ -791,10 +793,20 @@ def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
     type(module).zero_grad(module, set_to_none)
 
 
-def _under_torch_compile(fast: DataParallel) -> int:
+# Backends of the torch.compile calls that traced a model with the fast path; a trace
+# takes an index into this list as a constant (`_under_torch_compile`).
+_COMPILE_BACKENDS: list = []
+
+
+def _under_torch_compile(number: int) -> int:
     """Run by Dynamo, for real, while it traces a model with the fast path (its result is a
-    constant of the trace): which of `fast.backends` compiles the call, or -1 where the
+    constant of the trace): which of `_COMPILE_BACKENDS` compiles the call, or -1 where the
     trace must stay one graph (fullgraph=True, error_on_graph_break, torch.export).
+
+    `number` (the model's `DataParallel.number`) is unused here: Dynamo guards the trace on
+    it, so a trace made for one model is not run for another of its class (one made with
+    fullgraph=True would run op by op). It is a number, not the object, as torch 2.11
+    passes only Python constants to a function whose result it takes as a constant.
 
     Traced op by op, the model's parameters are global tensors in the graph, each costing
     guards, wrapping and autograd work in Python on every step (~1.6x a compiled torch
@@ -815,11 +827,11 @@ def _under_torch_compile(fast: DataParallel) -> int:
         return -1
     if not hasattr(_call_from_compiled, "_torchdynamo_disable"):
         _call_from_compiled = torch._dynamo.disable(_call_from_compiled)
-    for i, known in enumerate(fast.backends):
+    for i, known in enumerate(_COMPILE_BACKENDS):
         if known is backend:
             return i
-    fast.backends.append(backend)
-    return len(fast.backends) - 1
+    _COMPILE_BACKENDS.append(backend)
+    return len(_COMPILE_BACKENDS) - 1
 
 
 def _dynamo_watching() -> bool:
@@ -847,7 +859,8 @@ def _call_from_compiled(fast: DataParallel, args: tuple, kwargs: dict, backend: 
     """The call of a model under torch.compile, outside its graph (see `_under_torch_compile`,
     which wraps this in `torch._dynamo.disable` before a trace reaches it: Dynamo leaves the
     graph at its call, and the frames it runs are not traced)."""
-    return fast.call(args, kwargs, fast.backends[backend])
+    fast.backend = backend
+    return fast.call(args, kwargs, _COMPILE_BACKENDS[backend])
 
 
 def _settle_buffers(module: torch.nn.Module, *args: Any) -> None:

@@ -222,6 +222,22 @@ def trusted_constant(func) -> bool:
     )
 
 
+# Ops into which torch's backward formulas scatter a gradient, into a buffer they make as a
+# local tensor of the logical shape (zeros, in max.dim's backward in torch 2.11; 2.14's
+# makes it from the gradient, a global tensor).
+FORMULA_BUFFER_OPS = frozenset({torch.ops.aten.scatter})
+
+
+def formula_buffer(func, a: torch.Tensor) -> bool:
+    """Is the local tensor `a` the buffer a backward formula made (see FORMULA_BUFFER_OPS)?
+    Every rank makes it alike, so it joins the global tensors as their broadcast value."""
+    return (
+        func.overloadpacket in FORMULA_BUFFER_OPS
+        and not a.requires_grad
+        and torch._C._current_graph_task_id() >= 0
+    )
+
+
 def scan(func, flat: list) -> tuple[tuple, list[int]]:
     """One pass over the arguments: check placements, find the global tensors, and build the
     decision-cache key (everything but floats and tensor values, so per-step scalars such as
@@ -252,7 +268,8 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
                 a.dim() == 0 and not a.requires_grad and trusted_constant(func)
             ):
-                if local_constants.replicating():  # sbp.global_mode / implicit_replication
+                # sbp.global_mode / implicit_replication, or a backward formula's buffer
+                if local_constants.replicating() or formula_buffer(func, a):
                     implicit.append(i)
                     key.append(None)
                     continue
