@@ -654,7 +654,10 @@ def locals_to_global(
     error = next((e for e in (_device_error(x, placement) for x in xs) if e is not None), None)
     nd = normalize_nd_sbp(sbp, placement.ndim)
     splits = any(s.is_split for s in nd)
-    if check_meta or (splits and shape is None) or placement.size < env.get_world_size():
+    world = env.get_world_size()
+    # (in a world of one there is no other rank to agree with: the local tensor is the
+    # logical one, and the exchange would only read back this rank's own row)
+    if world > 1 and (check_meta or (splits and shape is None) or placement.size < world):
         rows = []
         for x in xs:
             checksum = None
@@ -666,8 +669,10 @@ def locals_to_global(
         metas = [_read_rows(r, placement, sbp, check_meta) for r in exchanged]
     elif error is not None:
         raise error
-    else:
-        metas = [(None, x.dtype, None) for x in xs]
+    else:  # trusted; in a world of one, this rank's range is the logical tensor's
+        metas = [
+            (None, x.dtype, tuple(_local_bounds(x)) or None if world == 1 else None) for x in xs
+        ]
     return [
         _local_to_global(x, placement, sbp, shape, sync_data, grad_sbp, *meta)
         for x, meta in zip(xs, metas, strict=True)
