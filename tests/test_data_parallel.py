@@ -244,6 +244,55 @@ def test_gradients_wait_plain_and_behave_as_torch_grads(pool2, world):
             assert _rel(got, ref) < 1e-12
 
 
+def _shared_use_steps(model, opt, data, P):
+    """Steps whose loss uses the head's weight twice: inside the model (on the fast path, its
+    gradient reduced in buckets) and op by op outside it (an L2 term on the global weight,
+    its gradient accumulated through autograd); every parameter's gradient and value after
+    each step, as logical tensors (copies: a broadcast tensor's full_tensor() is its local)."""
+
+    def logical(t):
+        return (t.full_tensor() if P is not None else t.detach()).clone()
+
+    seen = []
+    for x, y in data:
+        opt.zero_grad()
+        out = model(_global(x, P) if P is not None else x)
+        loss = F.cross_entropy(out, _global(y, P) if P is not None else y)
+        loss = loss + 0.1 * (model.head.weight**2).sum()
+        loss.backward()
+        grads = [logical(p.grad) for p in model.parameters()]
+        opt.step()
+        seen.append((grads, [logical(p) for p in model.parameters()]))
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parameter_used_inside_and_outside_the_model(pool2, world):
+    """A parameter used by the data-parallel model and op by op beside it gets the sum of
+    both gradients, as in one process: the model's part reduced over the ranks once, the
+    outside part's partial sum flushed once, neither counted twice."""
+    data = _data(steps=3)
+
+    def run(world):
+        P = sbp.placement("cpu", list(range(world)))
+        torch.manual_seed(0)
+        model = MLP().double().to_global(P, B)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        seen = _shared_use_steps(model, opt, data, P)
+        return seen, sbp.nn.fast_path.state(model).last_path
+
+    got, path = pool2.run(run, world)[0]
+    torch.manual_seed(0)
+    ref = MLP().double()
+    want = _shared_use_steps(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), data, None
+    )
+    assert path == "fast"
+    for (grads, params), (ref_grads, ref_params) in zip(got, want, strict=True):
+        assert _rel(grads, ref_grads) < 1e-12
+        assert _rel(params, ref_params) < 1e-12
+
+
 # (the step pre-hook that installs the step on locals reads its caller's frame: Dynamo
 # leaves the graph there, and says so)
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")
