@@ -25,7 +25,8 @@ import torch
 from sbp import comm, env
 
 BUCKET_BYTES = 25 * 2**20
-_GRAD, _WAITING = attrgetter("grad"), attrgetter("_waiting_grad")
+_GRAD = attrgetter("grad")
+WAITING_GRAD = attrgetter("_waiting_grad")  # a parameter's plain summed gradient, or None
 _pending: dict = {}  # id(grad) -> (weak reference, target nd_sbp), in arrival order
 TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor's
 
@@ -264,7 +265,7 @@ class Reducer:
                         grad._spec = grad._spec._replace(nd_sbp=p._spec.nd_sbp)
             grads = list(map(_GRAD, self.leaves))
             run_all(map(TORCH_GRAD.__set__, self.leaves, repeat(None)))
-            if self.sync and all(map(is_, map(_WAITING, self.params), repeat(None))):
+            if self.sync and all(map(is_, map(WAITING_GRAD, self.params), repeat(None))):
                 # (the usual step: zero_grad dropped every gradient; in C loops)
                 run_all(map(setattr, self.params, repeat("_waiting_grad"), grads))
                 return

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sbp import env, gradients
-from sbp.gradients import TORCH_GRAD, run_all
+from sbp.gradients import TORCH_GRAD, WAITING_GRAD, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -42,7 +42,7 @@ from sbp.tensor import GlobalTensor
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
-_GRAD, _WAITING = attrgetter("grad"), attrgetter("_waiting_grad")
+_GRAD = attrgetter("grad")
 _KEPT = "_sbp_group_swaps"  # {id(param group): its _GroupSwap}
 _NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
@@ -273,7 +273,7 @@ class _GroupSwap:
         """The local of each parameter's gradient, when all are whole (else None)."""
         raw = list(map(TORCH_GRAD.__get__, self.params))
         if all(map(is_, raw, repeat(None))):  # (the usual: all waiting, plain)
-            return list(map(_WAITING, self.params))
+            return list(map(WAITING_GRAD, self.params))
         placement = self.specs[0].placement
         if not _all_whole([g for g in raw if g is not None], self.whole, placement):
             return None
