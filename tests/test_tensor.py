@@ -207,3 +207,23 @@ def test_a_write_forgets_the_range_learnt_by_to_global():
     y = sbp.to_global(torch.tensor([3, 1, 4]), Pl, B)
     y.add_(1)
     assert known_range(y) is None
+
+
+def test_to_global_in_a_world_of_one_checks_without_an_exchange():
+    """With one rank there is nothing to exchange; the local tensor is the logical one, and
+    a bad shape= or sbp still raises its named error."""
+    from sbp.tensor import known_range
+
+    assert sbp.env.get_world_size() == 1
+    Pl = sbp.placement("cpu", [0])
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([2, 0, 1, 2])
+    with sbp.comm_stats() as st:
+        gx, gy = sbp.to_global((x, y), Pl, S0)
+    assert st.calls == 0
+    assert torch.equal(gx.full_tensor(), x) and gx.shape == (4, 3) and gx.sbp == (S0,)
+    assert known_range(gy) == (0, 2)
+    assert sbp.to_global(x, Pl, B, shape=(4, 3)).shape == (4, 3)
+    with pytest.raises(sbp.MetaMismatchError, match="does not match shape="):
+        sbp.to_global(x, Pl, S0, shape=(5, 3))
+    with pytest.raises(sbp.SbpSignatureError, match="out of range"):
+        sbp.to_global(x, Pl, sbp.split(2))
