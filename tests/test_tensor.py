@@ -227,3 +227,20 @@ def test_to_global_in_a_world_of_one_checks_without_an_exchange():
         sbp.to_global(x, Pl, S0, shape=(5, 3))
     with pytest.raises(sbp.SbpSignatureError, match="out of range"):
         sbp.to_global(x, Pl, sbp.split(2))
+
+
+# (max.dim's backward scatters through the fallback that runs on broadcast inputs: whole here)
+@pytest.mark.filterwarnings("ignore:sbp. no SBP rule for aten.scatter")
+def test_a_local_scatter_buffer_is_trusted_only_inside_backward():
+    """torch 2.11's max.dim backward scatters into a local zeros buffer, which sbp takes as
+    broadcast inside torch's backward only; a user's local buffer is still an error."""
+    Pl = sbp.placement("cpu", [0])
+    index = sbp.to_global(torch.tensor([[0], [2]]), Pl, B)
+    src = sbp.to_global(torch.ones(2, 1, dtype=torch.float64), Pl, B)
+    with pytest.raises(sbp.PlacementError, match="mixes global tensors with a local"):
+        torch.zeros(2, 3, dtype=torch.float64).scatter(1, index, src)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    g = sbp.to_global(x.clone(), Pl, B).requires_grad_()
+    g.max(dim=1).values.sum().backward()
+    want = torch.zeros_like(x).scatter(1, x.argmax(dim=1, keepdim=True), 1.0)
+    assert torch.equal(g.grad.full_tensor(), want)
