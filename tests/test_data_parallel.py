@@ -1013,6 +1013,46 @@ def test_torch_compile_of_a_model_compiles_its_local_forward():
     torch._dynamo.reset()
 
 
+def _compiled_loss_steps(P, data, backend):
+    """Three SGD steps whose loss function (the model's call and cross-entropy) is one
+    torch.compile'd function; the losses, the parameters and each call's path."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    loss_of = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend=backend)
+    losses, paths = [], []
+    for x, y in data:
+        loss = loss_of(_global(x, P), _global(y, P))
+        paths.append(sbp.nn.fast_path.state(model).last_path)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, _gather(model), paths
+
+
+def test_a_model_called_inside_a_compiled_function():
+    """Dynamo inlines the model's call into a compiled function that calls it (a loss
+    function): the call leaves that graph for the fast path, whose local forward is
+    compiled with the same backend on plain tensors, and the rest of the function is
+    compiled around it; equal to one process."""
+    data = _data(n=6, steps=3, shape=(3, 5, 5), classes=4)
+    backend, graphs = _recording_backend()
+    torch._dynamo.reset()
+    losses, params, paths = _compiled_loss_steps(sbp.placement("cpu", [0]), data, backend)
+    torch._dynamo.reset()
+    ref = _train(ConvBN, None, None, None, data)  # (the same SGD)
+    assert paths == ["fast"] * 3
+    assert _convolutions_on(graphs, torch.Tensor)
+    assert not _convolutions_on(graphs, sbp.GlobalTensor)
+    assert any(any("cross_entropy" in op for op in ops) for _, ops in graphs)
+    for a, b in zip(losses, ref[0], strict=True):
+        assert abs(a - b) <= 1e-12 * abs(b)
+    assert _rel(params, ref[1]) < 1e-12
+
+
 def test_torch_compile_with_compile_options_alternating_paths():
     """A model under torch.compile that also has `data_parallel(compile=...)`, called with a
     split batch (the fast path, compiled with those options) and a broadcast one (op by op,
@@ -1041,11 +1081,11 @@ def test_torch_compile_with_compile_options_alternating_paths():
 
 
 def test_torch_compile_of_a_model_with_varying_batch_sizes():
-    """Global shapes are static in a graph, so each new batch size recompiles the frames
-    around the graph break (they hold no graph), up to Dynamo's limit (8), after which they
-    run eagerly; every call still takes the fast path with the compiled local forward,
-    whose plain tensors Dynamo makes dynamic: two compilations for 14 sizes, each call
-    equal to one process."""
+    """Dynamo skips the call of a data-parallel model under torch.compile, so no frame
+    around it is compiled per batch size (global shapes are static in a graph); every call
+    takes the fast path with the compiled local forward, whose plain tensors Dynamo makes
+    dynamic after the second shape: two compilations for 14 sizes, each call equal to one
+    process."""
     import sbp.nn
 
     P = sbp.placement("cpu", [0])
@@ -1063,7 +1103,10 @@ def test_torch_compile_of_a_model_with_varying_batch_sizes():
 
         return run
 
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     step = torch.compile(model, backend=backend)
     g = torch.Generator().manual_seed(3)
     sizes = range(2, 16)
@@ -1072,8 +1115,9 @@ def test_torch_compile_of_a_model_with_varying_batch_sizes():
         out = step(_global(x, P))
         assert sbp.nn.fast_path.state(model).last_path == "fast"
         assert torch.allclose(out.full_tensor(), ref(x), rtol=1e-12, atol=1e-12)
+    frames = counters["frames"]["total"]  # frames Dynamo traced: the local forward's only
     torch._dynamo.reset()
-    assert len(compiled_graphs) == 2
+    assert len(compiled_graphs) == 2 and frames == 2
     assert len(runs) == len(sizes)
 
 

@@ -759,19 +759,22 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         fast = self.__dict__[ATTR]
-        if torch.compiler.is_compiling():
-            backend = _under_torch_compile(fast.number)
-            if backend >= 0:  # leave the graph: the call runs as below, compiled inside
+        if torch.compiler.is_compiling():  # Dynamo traces this call, inlined in its caller's
+            return _traced(self, original, args, kwargs)
+        # torch.compile(model): Dynamo skips this frame (`_skip_frame`) with its callback set
+        callback = _set_eval_frame(None)
+        if callback is None:  # eager
+            return fast(*args, **kwargs)
+        try:
+            backend = _leaving_backend(callback, fast)
+            if backend is not None:  # the fast path, its local forward compiled by `backend`
                 return _call_from_compiled(fast, args, kwargs, backend)
-            # one graph (fullgraph=True, torch.export): torch.compile traces it op by op
-            fast.last_path = "traced"
-            out = original(self, *args, **kwargs)
-            shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
-            return out
-        if fast.backend is not None and _dynamo_watching():  # a compiled call run eagerly
-            return _call_from_compiled(fast, args, kwargs, fast.backend)
-        return fast(*args, **kwargs)
+        finally:
+            _set_eval_frame(callback)
+        # one graph (fullgraph=True, torch.export): Dynamo traces it op by op
+        return _traced(self, original, args, kwargs)
 
+    _skip_frame(forward)
     module.__dict__[ATTR] = fast
     module.forward = types.MethodType(forward, module)
     module.zero_grad = types.MethodType(_zero_grad, module)
@@ -793,9 +796,82 @@ def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
     type(module).zero_grad(module, set_to_none)
 
 
-# Backends of the torch.compile calls that traced a model with the fast path; a trace
-# takes an index into this list as a constant (`_under_torch_compile`).
+# Backends of the torch.compile calls that ran a model with the fast path; a trace takes an
+# index into this list as a constant (`_under_torch_compile`).
 _COMPILE_BACKENDS: list = []
+
+
+def _backend_index(backend: Any) -> int:
+    for i, known in enumerate(_COMPILE_BACKENDS):
+        if known is backend:
+            return i
+    _COMPILE_BACKENDS.append(backend)
+    return len(_COMPILE_BACKENDS) - 1
+
+
+try:  # (torch's C module: importing torch._dynamo would cost every `import sbp` seconds)
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy as _set_code_exec_strategy
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # (without them Dynamo traces the model's call: `_traced`)
+
+    def _set_eval_frame(callback: Any) -> None:
+        return None
+
+    _set_code_exec_strategy = None
+
+
+def _skip_frame(forward: Callable) -> None:
+    """Dynamo runs `forward`'s frame as it is, not traced, and still evaluates the frames it
+    calls (what `torch._dynamo.skip` does). Traced, the call of a data-parallel model would
+    cost a frame of guards on its inputs (Python checks for a global tensor) and a graph
+    break on every step; skipped, it reads torch.compile's callback, whose backend then
+    compiles the local forward (`_leaving_backend`)."""
+    if _set_code_exec_strategy is not None:
+        strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
+        _set_code_exec_strategy(forward.__code__, strategy)
+
+
+def _leaving_backend(callback: Any, fast: DataParallel) -> int | None:
+    """Where torch.compile's frame callback `callback` lets a model's call leave its graph:
+    the index in `_COMPILE_BACKENDS` of the backend that compiles the local forward; None
+    where the call must be traced in one graph (fullgraph=True, torch.export,
+    error_on_graph_break) or the callback is not one this recognises (Dynamo's internals:
+    the call is then traced as before the skip, `_traced`).
+
+    `False` is Dynamo's run-only callback (no new compilation, as past a recompile limit):
+    the backend of the model's last compiled call, if any."""
+    if callback is False:
+        return fast.backend
+    convert = getattr(callback, "_torchdynamo_orig_backend", None)
+    one_graph = getattr(getattr(convert, "_inner_convert", convert), "_one_graph", None)
+    backend = getattr(convert, "_torchdynamo_orig_backend", None)
+    if one_graph is not False or backend is None or getattr(convert, "_export", False):
+        return None
+    try:
+        from torch._dynamo.utils import _get_error_on_graph_break
+
+        if _get_error_on_graph_break():
+            return None
+    except ImportError:
+        pass
+    return _backend_index(backend)
+
+
+def _traced(self: torch.nn.Module, original: Callable, args: tuple, kwargs: dict) -> Any:
+    """A data-parallel model's call where Dynamo traces it: inlined in a compiled caller, or
+    in one graph. Run eagerly (Dynamo declined the frame), the fast path."""
+    fast = self.__dict__[ATTR]
+    if torch.compiler.is_compiling():
+        backend = _under_torch_compile(fast.number)
+        if backend >= 0:  # leave the graph: the call runs as below, compiled inside
+            return _call_from_compiled(fast, args, kwargs, backend)
+        # one graph (fullgraph=True, torch.export): torch.compile traces it op by op
+        fast.last_path = "traced"
+        out = original(self, *args, **kwargs)
+        shard_batch_norm.sync_statistics(fast.shard_batch_norms, fast.placement)
+        return out
+    return fast(*args, **kwargs)
 
 
 def _under_torch_compile(number: int) -> int:
@@ -827,26 +903,7 @@ def _under_torch_compile(number: int) -> int:
         return -1
     if not hasattr(_call_from_compiled, "_torchdynamo_disable"):
         _call_from_compiled = torch._dynamo.disable(_call_from_compiled)
-    for i, known in enumerate(_COMPILE_BACKENDS):
-        if known is backend:
-            return i
-    _COMPILE_BACKENDS.append(backend)
-    return len(_COMPILE_BACKENDS) - 1
-
-
-def _dynamo_watching() -> bool:
-    """Is this eager call inside a torch.compile'd call? Dynamo runs a frame eagerly past
-    its recompile limit (a new input shape recompiles the frames around the graph break:
-    global shapes are static), with its callback still set for the frames it calls. The
-    call then still takes the fast path with the compiled local forward, whose plain
-    tensors Dynamo makes dynamic after the second shape."""
-    try:
-        from torch._C._dynamo.eval_frame import set_eval_frame
-    except ImportError:
-        return False
-    prior = set_eval_frame(None)  # (None outside torch.compile; past the limit, False)
-    set_eval_frame(prior)
-    return prior is not None
+    return _backend_index(backend)
 
 
 # Dynamo runs it for real while tracing and takes its result as a constant (what
@@ -856,9 +913,10 @@ _under_torch_compile._dynamo_marked_constant = True  # type: ignore[attr-defined
 
 
 def _call_from_compiled(fast: DataParallel, args: tuple, kwargs: dict, backend: int) -> Any:
-    """The call of a model under torch.compile, outside its graph (see `_under_torch_compile`,
-    which wraps this in `torch._dynamo.disable` before a trace reaches it: Dynamo leaves the
-    graph at its call, and the frames it runs are not traced)."""
+    """The call of a model under torch.compile, outside its graph: from a frame Dynamo skips
+    (`_leaving_backend`), or, in a traced call, wrapped in `torch._dynamo.disable` before a
+    trace reaches it (`_under_torch_compile`): Dynamo leaves the graph at its call, and the
+    frames it runs are not traced."""
     fast.backend = backend
     return fast.call(args, kwargs, _COMPILE_BACKENDS[backend])
 
