@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sbp import env, gradients
-from sbp.gradients import TORCH_GRAD, WAITING_GRAD, run_all
+from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -121,6 +121,8 @@ def _zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> No
     if set_to_none:
         for group in optimizer.param_groups:
             gradients.drop_waiting(group["params"])
+        if all(gradients.no_grads(group["params"]) for group in optimizer.param_groups):
+            return  # (the usual step: every gradient was waiting)
     optimizer.__dict__[_ZERO_GRAD](set_to_none)
 
 
@@ -271,7 +273,8 @@ class _GroupSwap:
 
     def grads(self) -> list | None:
         """The local of each parameter's gradient, when all are whole (else None)."""
-        raw = list(map(TORCH_GRAD.__get__, self.params))
+        with PLAIN_GETTERS():
+            raw = list(map(TORCH_GRAD.__get__, self.params))
         if all(map(is_, raw, repeat(None))):  # (the usual: all waiting, plain)
             return list(map(WAITING_GRAD, self.params))
         placement = self.specs[0].placement

@@ -365,14 +365,15 @@ class _Slots:
 
     def refresh(self) -> None:
         """Make a parameter's local leaf again when its local tensor or requires_grad changed."""
-        locals_ = list(map(_LOCAL, self.tensors))
-        trained = list(map(_REQUIRES_GRAD, self.params))
+        with gradients.PLAIN_GETTERS():
+            trained = list(map(_REQUIRES_GRAD, self.params))
         if (
-            len(locals_) == len(self._locals)
-            and all(map(is_, locals_, self._locals))
-            and trained == self._trained
+            trained == self._trained
+            and len(self.tensors) == len(self._locals)
+            and all(map(is_, map(_LOCAL, self.tensors), self._locals))
         ):
             return
+        locals_ = list(map(_LOCAL, self.tensors))
         leaves = {}
         for p, grad in zip(self.params, trained, strict=True):
             cached = self._leaves.get(id(p))
@@ -792,7 +793,10 @@ def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
     """`module.zero_grad()` that drops the gradients waiting plain on its parameters as they
     are (`sbp.gradients.take_waiting`): torch's reads each, which would wrap it first."""
     if set_to_none:
-        gradients.drop_waiting(module.parameters())
+        params = list(module.parameters())
+        gradients.drop_waiting(params)
+        if gradients.no_grads(params):
+            return  # (nothing left: torch's would read every `.grad` in Python)
     type(module).zero_grad(module, set_to_none)
 
 
