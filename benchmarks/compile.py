@@ -34,11 +34,17 @@ global-compiled's anchor instead, and on the CPU, where it cannot, that anchor i
 reported apart. Run `python benchmarks/compile.py` (minutes: Inductor compiles each
 model); `--backend aot_eager` traces without code generation; `--device cuda` runs on the
 GPU (ranks share one over gloo where there are fewer GPUs than ranks).
+
+`--width 0.1 --image 8 --batch 2` shrinks the model's work until a step is mostly host
+work (Python, dispatch, kernel launches), as a compiled step of 32 images is on an H100:
+on the CPU, the ratio to compiled torch then shows sbp's host work per step, which is what
+the GPU ratio is made of.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -59,11 +65,11 @@ ANCHOR = {1: "torch-compiled", 2: "ddp-compiled"}
 SAME_WORK = {"global-compiled": "ddp-syncbn-compiled"}
 
 
-def _model():
+def _model(width: float = 1.0):
     import torchvision
 
     torch.manual_seed(0)
-    return torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0)
+    return torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0, width_mult=width)
 
 
 def _step(model, opt, x, y) -> Callable[[], Any]:
@@ -87,13 +93,15 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
 
     device = cfg["device"]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(cfg["batch"], 3, 32, 32, generator=g).to(device)
+    size = cfg["image"]
+    x = torch.randn(cfg["batch"], 3, size, size, generator=g).to(device)
     y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(device)
     P = sbp.placement(device, list(range(world)))
     local = sbp.local_slices(x.shape, P, sbp.split(0), P.coord(rank))
     xl, yl = x[local].contiguous(), y[local[:1]].contiguous()
     gx, gy = sbp.to_global(xl, P, sbp.split(0)), sbp.to_global(yl, P, sbp.split(0))
     backend = cfg["backend"]
+    model = functools.partial(_model, cfg["width"])
     methods: dict[str, Callable[[], Any]] = {}
 
     def add(name, build):
@@ -103,21 +111,21 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
             methods[name] = _failing(_reason(e))
 
     def global_model(compiled, batch_norm="global", fullgraph=False):
-        m = _model().to(device).to_global(P, sbp.broadcast)
+        m = model().to(device).to_global(P, sbp.broadcast)
         sbp.nn.data_parallel(m, batch_norm=batch_norm)
         run = torch.compile(m, backend=backend, fullgraph=fullgraph) if compiled else m
         return _step(run, _sgd(m), gx, gy)
 
     if world == 1:
-        add("torch-eager", lambda: _plain(False, backend, x, y))
-        add("torch-compiled", lambda: _plain(True, backend, x, y))
+        add("torch-eager", lambda: _plain(model, False, backend, x, y))
+        add("torch-compiled", lambda: _plain(model, True, backend, x, y))
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
         add("global-traced", lambda: global_model(True, fullgraph=True))
-        add("dtensor-compiled", lambda: _dtensor(world, backend, xl, yl, device))
+        add("dtensor-compiled", lambda: _dtensor(model, world, backend, xl, yl, device))
     else:
-        add("ddp-eager", lambda: _ddp(False, backend, xl, yl))
-        add("ddp-compiled", lambda: _ddp(True, backend, xl, yl))
+        add("ddp-eager", lambda: _ddp(model, False, backend, xl, yl))
+        add("ddp-compiled", lambda: _ddp(model, True, backend, xl, yl))
         add("global-eager", lambda: global_model(False))
         add("global-compiled", lambda: global_model(True))
         add("global-local-compiled", lambda: global_model(True, "local"))
@@ -125,7 +133,10 @@ def _methods(rank: int, world: int, cfg: dict) -> dict[str, Callable[[], Any]]:
         # follow reach Dynamo's limit for mobilenet_v2's code objects, which are shared by
         # every model in the process; compiled first, later rows fell back to eager frames.
         if device == "cuda":
-            add("ddp-syncbn-compiled", lambda: _ddp(True, backend, xl, yl, sync_batch_norm=True))
+            add(
+                "ddp-syncbn-compiled",
+                lambda: _ddp(model, True, backend, xl, yl, sync_batch_norm=True),
+            )
     return methods
 
 
@@ -173,28 +184,28 @@ def _failing(error: str) -> Callable[[], Any]:
     return fail
 
 
-def _plain(compiled, backend, x, y):
-    m = _model().to(x.device)
+def _plain(model, compiled, backend, x, y):
+    m = model().to(x.device)
     return _step(torch.compile(m, backend=backend) if compiled else m, _sgd(m), x, y)
 
 
-def _ddp(compiled, backend, x, y, sync_batch_norm=False):
+def _ddp(model, compiled, backend, x, y, sync_batch_norm=False):
     from torch.nn.parallel import DistributedDataParallel
 
     device = x.device
     ids = [device.index] if device.type == "cuda" else None
-    model = _model()
+    net = model()
     if sync_batch_norm:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    m = DistributedDataParallel(model.to(device), device_ids=ids)
+        net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    m = DistributedDataParallel(net.to(device), device_ids=ids)
     return _step(torch.compile(m, backend=backend) if compiled else m, _sgd(m), x, y)
 
 
-def _dtensor(world, backend, x, y, device):
+def _dtensor(model, world, backend, x, y, device):
     from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
 
     mesh = init_device_mesh(device, (world,))
-    m = distribute_module(_model().to(device), mesh)
+    m = distribute_module(model().to(device), mesh)
     dx = DTensor.from_local(x, mesh, [Shard(0)])
     dy = DTensor.from_local(y, mesh, [Shard(0)])
     return _step(torch.compile(m, backend=backend), _sgd(m), dx, dy)
@@ -248,9 +259,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--width", type=float, default=1.0, help="mobilenet_v2's width_mult")
+    ap.add_argument("--image", type=int, default=32, help="image side, pixels")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("batch", "warmup", "rounds", "backend", "device")}
+    keys = ("batch", "warmup", "rounds", "backend", "device", "width", "image")
+    cfg = {k: getattr(args, k) for k in keys}
     rows = []
     for world in args.world_sizes:
         rows += common.gather_rows(_worker, world, cfg)
@@ -261,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
     name = "compile" if args.backend == "inductor" else f"compile-{args.backend}"
     name += "-cuda" if args.device == "cuda" else ""
+    if (args.width, args.image) != (1.0, 32):  # (a host-bound step: see the docstring)
+        name += f"-w{args.width:g}-i{args.image}"
     path = common.write_results(name, payload, None if args.out is None else _path(args.out))
     print(f"wrote {path[0]}")
 
