@@ -1013,6 +1013,27 @@ def test_torch_compile_of_a_model_compiles_its_local_forward():
     torch._dynamo.reset()
 
 
+def test_error_on_graph_break_traces_the_model_in_one_graph():
+    """Under torch._dynamo.error_on_graph_break(True) the model's call must not leave the
+    graph: the fast path declines the compiled route and the call is traced op by op (the
+    global tensors in the graph), equal to one process."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    ref = ConvBN().double().eval()
+    x = _data(n=6, steps=1, shape=(3, 5, 5), classes=4)[0][0]
+    model = copy.deepcopy(ref).to_global(P, B)
+    backend, graphs = _recording_backend()
+    torch._dynamo.reset()
+    with torch._dynamo.error_on_graph_break(True):
+        out = torch.compile(model, backend=backend)(_global(x, P))
+    torch._dynamo.reset()
+    assert sbp.nn.fast_path.state(model).last_path == "traced"
+    assert _convolutions_on(graphs, sbp.GlobalTensor)
+    assert torch.allclose(out.full_tensor(), ref(x), rtol=1e-12, atol=1e-12)
+
+
 def _compiled_loss_steps(P, data, backend):
     """Three SGD steps whose loss function (the model's call and cross-entropy) is one
     torch.compile'd function; the losses, the parameters and each call's path."""
