@@ -159,16 +159,13 @@ def run_all(calls: Iterator) -> None:
     deque(calls, maxlen=0)
 
 
-def drop_waiting(params: list) -> None:
-    """`zero_grad` of the waiting gradients of `params` (plain tensors have none)."""
+def drop_waiting(params: list) -> bool:
+    """`zero_grad` of the waiting gradients of `params` (plain tensors have none); then, has
+    none of `params` a `.grad` left? A `zero_grad(set_to_none=True)` then has nothing more
+    to do: torch's would read every `.grad` in Python."""
     for p in params:
         if getattr(p, "_waiting_grad", None) is not None:
             p._waiting_grad = None
-
-
-def no_grads(params: list) -> bool:
-    """Have none of `params` a `.grad` (waiting ones aside)? Then a `zero_grad(set_to_none=
-    True)` has nothing left to do: torch's would read every `.grad` in Python."""
     with PLAIN_GETTERS():
         return all(map(is_, map(TORCH_GRAD.__get__, params), repeat(None)))
 

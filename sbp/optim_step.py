@@ -15,10 +15,10 @@ gradients the data-parallel fast path left waiting: `sbp.gradients.take_waiting`
 in the optimizer's state, each local's state under it (its global tensors' locals);
 steps; and puts everything back, also when the step raises: state the step made or
 replaced comes back global (0-dim numbers such as step counts stay plain, as torch makes
-them), and gradients a step hook set or dropped on the locals become the parameters'. A group with a tensor
-that is not broadcast (tensor-parallel weights, a `no_sync` partial gradient), a
-differentiable group, a step given a closure (it runs backward) and a step being
-traced run on the global tensors as before. Step hooks registered on the optimizer
+them), and gradients a step hook set or dropped on the locals become the parameters'. A
+group with a tensor that is not broadcast (tensor-parallel weights, a `no_sync` partial
+gradient), a differentiable group, a step given a closure (it runs backward) and a step
+being traced run on the global tensors as before. Step hooks registered on the optimizer
 see the locals. What a group's swap needs is kept from one step to the next
 (`_GroupSwap`) while its parameters and state tensors stay the same objects.
 """
@@ -119,9 +119,8 @@ def _zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> No
     """zero_grad that drops waiting gradients as they are, plain: reading them,
     as torch's zero_grad does, would wrap each in a global tensor only to drop it."""
     if set_to_none:
-        for group in optimizer.param_groups:
-            gradients.drop_waiting(group["params"])
-        if all(gradients.no_grads(group["params"]) for group in optimizer.param_groups):
+        cleared = [gradients.drop_waiting(g["params"]) for g in optimizer.param_groups]
+        if all(cleared):
             return  # (the usual step: every gradient was waiting)
     optimizer.__dict__[_ZERO_GRAD](set_to_none)
 

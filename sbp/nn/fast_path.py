@@ -792,11 +792,8 @@ SETTLE_HOOK = "_sbp_settle_buffers_hook"
 def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
     """`module.zero_grad()` that drops the gradients waiting plain on its parameters as they
     are (`sbp.gradients.take_waiting`): torch's reads each, which would wrap it first."""
-    if set_to_none:
-        params = list(module.parameters())
-        gradients.drop_waiting(params)
-        if gradients.no_grads(params):
-            return  # (nothing left: torch's would read every `.grad` in Python)
+    if set_to_none and gradients.drop_waiting(list(module.parameters())):
+        return  # (nothing left: torch's would read every `.grad` in Python)
     type(module).zero_grad(module, set_to_none)
 
 
