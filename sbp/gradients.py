@@ -8,7 +8,8 @@ every such gradient whole. Every rank sees the same leaves in the same order
 (SPMD), so buckets match across ranks. Other mismatches are boxed at once.
 
 The data-parallel fast path computes gradients on plain local leaves and sums them
-with a `Reducer`; the sums wait, plain, until `.grad` is read (`take_waiting`).
+with a `Reducer`; the sums wait, plain, until `.grad` is read (`take_waiting`). On one
+rank nothing is summed: each gradient waits in its leaf's `.grad`, where autograd put it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from sbp import comm, env
 BUCKET_BYTES = 25 * 2**20
 _GRAD = attrgetter("grad")
 WAITING_GRAD = attrgetter("_waiting_grad")  # a parameter's plain summed gradient, or None
+# a parameter's (one-rank Reducer, local leaf) whose `.grad` is its gradient, or None
+WAITING_IN = attrgetter("_waiting_in")
 _pending: dict = {}  # id(grad) -> (weak reference, target nd_sbp), in arrival order
 TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor's
 # torch's C getters (`.grad`, `.requires_grad`) look up a subclass's __torch_function__ at
@@ -132,8 +135,15 @@ def take_waiting(p: torch.Tensor) -> None:
     `p._waiting_grad` rather than in a new global tensor per parameter and backward. An
     optimizer step on locals takes it as it is (`local_grad`) and `zero_grad` drops it
     (`sbp.optim_step`), so a training step wraps no gradient at all: for mobilenet_v2,
-    ~160 wrappers made, assigned and freed, ~8 us each on this project's CPU."""
+    ~160 wrappers made, assigned and freed, ~8 us each on this project's CPU.
+
+    On one rank the gradient may also wait in the `.grad` of the parameter's local leaf
+    (`p._waiting_in`, see `Reducer.backward_started`): it is taken from there too."""
     grad = p._waiting_grad
+    if p._waiting_in is not None:
+        held = p._waiting_in[0].take(p._waiting_in[1])
+        if held is not None:
+            grad = held if grad is None else grad.add_(held)
     if grad is None:
         return
     p._waiting_grad = None
@@ -146,12 +156,13 @@ def take_waiting(p: torch.Tensor) -> None:
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """The local tensor of global `p.grad`, without wrapping a waiting gradient."""
-    grad = TORCH_GRAD.__get__(p)
-    if grad is None:
+    """The local tensor of global `p.grad`, without wrapping a gradient waiting plain on
+    `p` (one waiting in a leaf is wrapped: the leaf is the optimizer's local then)."""
+    if TORCH_GRAD.__get__(p) is None and p._waiting_in is None:
         return p._waiting_grad
     take_waiting(p)
-    return grad._local
+    grad = TORCH_GRAD.__get__(p)
+    return None if grad is None else grad._local
 
 
 def run_all(calls: Iterator) -> None:
@@ -163,9 +174,21 @@ def drop_waiting(params: list) -> bool:
     """`zero_grad` of the waiting gradients of `params` (plain tensors have none); then, has
     none of `params` a `.grad` left? A `zero_grad(set_to_none=True)` then has nothing more
     to do: torch's would read every `.grad` in Python."""
-    for p in params:
-        if getattr(p, "_waiting_grad", None) is not None:
-            p._waiting_grad = None
+    waiting = list(map(getattr, params, repeat("_waiting_grad"), repeat(None)))
+    if not all(map(is_, waiting, repeat(None))):
+        for p, grad in zip(params, waiting, strict=True):
+            if grad is not None:
+                p._waiting_grad = None
+    claims = list(map(getattr, params, repeat("_waiting_in"), repeat(None)))
+    first = claims[0][0] if claims and claims[0] is not None else None
+    if first is not None and first.holds_all(claims):
+        first.drop(claims)  # (the usual: one reducer's claims, all of them)
+    elif not all(map(is_, claims, repeat(None))):
+        held: dict = {}  # {one-rank Reducer: its claims among params}
+        for claim in filter(None, claims):
+            held.setdefault(claim[0], []).append(claim)
+        for reducer, own in held.items():
+            reducer.drop(own)
     with PLAIN_GETTERS():
         return all(map(is_, map(TORCH_GRAD.__get__, params), repeat(None)))
 
@@ -232,6 +255,60 @@ class Reducer:
         if self.hooked:
             for i, leaf in enumerate(leaves):
                 leaf.register_post_accumulate_grad_hook(self._hook(i))
+        else:
+            self._claim_parameters()
+
+    # ------------------------------------------------------------ one rank: leaves hold them
+    def _claim_parameters(self) -> None:
+        """One rank: each parameter's gradient will wait in its leaf's `.grad`, where
+        autograd accumulates it (`p._waiting_in`): after backward nothing moves, and an
+        optimizer step on the leaves finds it there (`sbp.optim_step`). Gradients waiting
+        in another reducer's leaves move to the parameter first; that reducer, no longer
+        the only one holding its parameters' gradients, hands them over after backward."""
+        self.exclusive = True  # every parameter's gradient waits in this reducer's leaves
+        self.claims = [(self, leaf) for leaf in self.leaves]
+        self.bases = [p._local for p in self.params]  # what each leaf shares storage with
+        for i, (p, claim) in enumerate(zip(self.params, self.claims, strict=True)):
+            earlier = p._waiting_in
+            if earlier is not None and earlier[0] is not self:
+                earlier[0].exclusive = False
+                grad = earlier[0].take(earlier[1])
+                if grad is not None:
+                    self._wait(i, grad)
+            p._waiting_in = claim
+
+    def take(self, leaf: torch.Tensor) -> torch.Tensor | None:
+        """The gradient waiting in `leaf` (one of this reducer's), taken out of it; None
+        while a backward runs (what the leaf holds then is not summed yet)."""
+        if self._queued:
+            return None
+        grad = TORCH_GRAD.__get__(leaf)
+        if grad is not None:
+            TORCH_GRAD.__set__(leaf, None)
+        return grad
+
+    def drop(self, claims: list) -> None:
+        """zero_grad of the gradients waiting in the leaves of `claims` (this reducer's)."""
+        if self._queued:
+            return
+        if self.holds_all(claims):
+            run_all(map(TORCH_GRAD.__set__, self.leaves, repeat(None)))  # (in C)
+            return
+        for _, leaf in claims:
+            TORCH_GRAD.__set__(leaf, None)
+
+    def holds_all(self, claims: list) -> bool:
+        """Are `claims` all of this reducer's, in order (in C loops)?"""
+        return len(claims) == len(self.claims) and all(map(is_, claims, self.claims))
+
+    def _set_aside(self) -> None:
+        """Gradients still waiting in the leaves (no zero_grad since the last backward) wait
+        on their parameters, so the leaves receive this backward's alone."""
+        for i, leaf in enumerate(self.leaves):
+            grad = TORCH_GRAD.__get__(leaf)
+            if grad is not None:
+                TORCH_GRAD.__set__(leaf, None)
+                self._wait(i, grad)
 
     def _reset(self) -> None:
         self._claimed = [False] * len(self._buckets)  # buffer checked free this backward
@@ -259,11 +336,15 @@ class Reducer:
 
     def backward_started(self) -> None:
         """Called when a backward enters the local graph (the module's outputs)."""
-        if not self.hooked:
+        if not self.hooked and not self._queued:
+            if not all(map(is_, map(_GRAD, self.leaves), repeat(None))):
+                self._set_aside()
             self._queue_once(self._hand_over)
 
     def _hand_over(self) -> None:
-        """One rank: each leaf's gradient becomes its parameter's (after backward)."""
+        """One rank, after backward: each leaf's gradient is its parameter's. It stays in
+        the leaf (`_claim_parameters`), unless under no_sync or where another reducer
+        claimed the parameter since."""
         try:
             if self.sync and self._partial_grads:  # (no_sync ended: they are whole now)
                 self._partial_grads = False
@@ -271,12 +352,10 @@ class Reducer:
                     grad = TORCH_GRAD.__get__(p)
                     if grad is not None and grad._spec.nd_sbp == self.partial_nd:
                         grad._spec = grad._spec._replace(nd_sbp=p._spec.nd_sbp)
+            if self.sync and self.exclusive:
+                return  # (the usual step)
             grads = list(map(_GRAD, self.leaves))
             run_all(map(TORCH_GRAD.__set__, self.leaves, repeat(None)))
-            if self.sync and all(map(is_, map(WAITING_GRAD, self.params), repeat(None))):
-                # (the usual step: zero_grad dropped every gradient; in C loops)
-                run_all(map(setattr, self.params, repeat("_waiting_grad"), grads))
-                return
             for i, grad in enumerate(grads):
                 if grad is None:
                     continue

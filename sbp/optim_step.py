@@ -11,9 +11,11 @@ An optimizer's first step runs on the global tensors, through the list rules
 (`sbp.ops.optim`), and `install` (a global step pre-hook) gives the optimizer a `step`
 and a `zero_grad` of its own. Every later step puts, for each group that qualifies, the
 locals in `group["params"]` (their `.grad` the gradients' locals, or the plain
-gradients the data-parallel fast path left waiting: `sbp.gradients.take_waiting`) and,
-in the optimizer's state, each local's state under it (its global tensors' locals);
-steps; and puts everything back, also when the step raises: state the step made or
+gradients the data-parallel fast path left waiting: `sbp.gradients.take_waiting`; on one
+rank the locals are the fast path's leaves, which hold the gradients already) and, in
+the optimizer's state, each local's state under it (its global tensors' locals; where
+every entry is a swapped parameter's, the step sees a state of the locals alone, kept
+from step to step); steps; and puts everything back, also when the step raises: state the step made or
 replaced comes back global (0-dim numbers such as step counts stay plain, as torch makes
 them), and gradients a step hook set or dropped on the locals become the parameters'. A
 group with a tensor that is not broadcast (tensor-parallel weights, a `no_sync` partial
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections import defaultdict
 from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from sbp import env, gradients
-from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, run_all
+from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -44,6 +47,8 @@ _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
 _GRAD = attrgetter("grad")
 _KEPT = "_sbp_group_swaps"  # {id(param group): its _GroupSwap}
+_LOCAL_STATE = "_sbp_local_state"  # (the _GroupSwaps, their locals' state, its keys, values)
+_ENTRIES = "_sbp_state_entries"  # (the state, its keys and values after the last local step)
 _NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
 
@@ -141,55 +146,152 @@ def _step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
 class _Swap:
     """The locals put in an optimizer's qualifying groups and state for one step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: list,
+        state: dict,
+        local_state: dict | None,
+        same_entries: bool,
+    ):
         self.optimizer = optimizer
-        # [(the group's _GroupSwap, its params list as found, the .grad given to each local)]
+        self.same_entries = same_entries  # the state's entries as after the last step
+        # [(the group's _GroupSwap, its params list as found, each local's .grad for the
+        # step, whether the swap put it there: not where the locals are leaves holding it)]
         self.groups = groups
+        # the optimizer's state, and the locals' state it holds for the step (None: the
+        # locals' entries were added to the optimizer's own state)
+        self.state, self.local_state = state, local_state
 
     @staticmethod
     def make(optimizer: torch.optim.Optimizer) -> _Swap | None:
         state = optimizer.state
         kept = optimizer.__dict__.setdefault(_KEPT, {})
+        same_entries = _same_entries(optimizer, state)
         groups = []
         for g in optimizer.param_groups:
             swap = kept.get(id(g))
-            if swap is None or not swap.fits(g, state):
+            if swap is None or not swap.fits(g, state, same_entries):
                 swap = kept[id(g)] = _GroupSwap.of(g, state)
             given = None if swap is None else swap.grads()
             if given is not None:
-                groups.append((swap, g["params"], given))
+                groups.append((swap, g["params"], *given))
         if not groups:
             return None
         try:
-            for swap, _, given in groups:
-                run_all(map(TORCH_GRAD.__set__, swap.locals_, given))
+            for swap, _, given, put in groups:
+                if put:
+                    run_all(map(TORCH_GRAD.__set__, swap.locals_, given))
         except RuntimeError:  # a gradient torch refuses for its parameter (dtype, shape)
-            for swap, _, _ in groups:
-                run_all(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
+            for swap, _, _, put in groups:
+                if put:
+                    run_all(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
             return None
-        for swap, _, _ in groups:
-            # The state of a local is kept under it in the optimizer's own state for the
-            # step, so whatever else the step does to the state stays.
-            state.update(swap.inserts)
+        local_state = None
+        if len(state) == sum(len(swap.inserts) for swap, *_ in groups):
+            # Every state entry is a swapped parameter's: the step sees a state of the
+            # locals only, one kept from step to step (no per-step re-keying)
+            local_state = _local_state(optimizer, [swap for swap, *_ in groups])
+            optimizer.state = local_state
+        for swap, *_ in groups:
+            if local_state is None:
+                # The state of a local is kept under it in the optimizer's own state for
+                # the step, so whatever else the step does to the state stays.
+                state.update(swap.inserts)
             _prefer_foreach(swap.group)  # (while its params are global)
             swap.group["params"] = list(swap.locals_)
-        return _Swap(optimizer, groups)
+        return _Swap(optimizer, groups, state, local_state, same_entries)
 
     def undo(self) -> None:
-        state = self.optimizer.state
+        state, local_state = self.state, self.local_state
         kept = self.optimizer.__dict__[_KEPT]
-        for swap, params, given in self.groups:
+        entries = self.optimizer.__dict__.pop(_ENTRIES, None)
+        unchanged = True
+        intact = False
+        if local_state is not None:
+            self.optimizer.state = state
+            intact = _intact(self.optimizer, local_state)
+            expected = sum(len(swap.inserts) for swap, *_ in self.groups)
+            if len(local_state) != expected:  # (entries the step added: kept below)
+                self.optimizer.__dict__.pop(_LOCAL_STATE, None)
+                _keep_others(local_state, self.groups, state)
+        for swap, params, given, put in self.groups:
             g = swap.group
             g["params"] = params
             _restore_foreach(g)  # (the post-hook did, unless the step raised)
-            now = list(map(_GRAD, swap.locals_))
-            if not all(map(is_, now, given)):  # (a step hook set or dropped gradients)
-                _grads_back(swap.params, now, given)
-            run_all(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
-            stepped = list(map(state.pop, swap.locals_, repeat(None)))
+            if put:  # (else the locals are leaves: their gradients are the parameters')
+                now = list(map(_GRAD, swap.locals_))
+                if not all(map(is_, now, given)):  # (a step hook set or dropped gradients)
+                    _grads_back(swap.params, now, given)
+                run_all(map(TORCH_GRAD.__set__, swap.locals_, repeat(None)))
+            if intact:
+                stepped = swap.local_sts
+            elif local_state is None:
+                stepped = list(map(state.pop, swap.locals_, repeat(None)))
+            else:
+                stepped = list(map(local_state.get, swap.locals_))
             if not swap.unchanged(stepped):
+                unchanged = False
                 kept.pop(id(g), None)
+                self.optimizer.__dict__.pop(_LOCAL_STATE, None)
                 swap.put_back(stepped, state)
+        if unchanged and self.same_entries:
+            self.optimizer.__dict__[_ENTRIES] = entries  # (the state's entries stayed)
+        elif unchanged:
+            self.optimizer.__dict__[_ENTRIES] = (state, list(state), list(state.values()))
+
+
+def _same_entries(optimizer: torch.optim.Optimizer, state: dict) -> bool:
+    """Does `state` hold the same keys and values (the same objects) as after the last step
+    on locals? The group swaps then need not look each parameter's state up again (in C
+    loops, without hashing: each lookup of a tensor calls torch's `__hash__` in Python)."""
+    entries = optimizer.__dict__.get(_ENTRIES)
+    return (
+        entries is not None
+        and entries[0] is state
+        and len(state) == len(entries[1])
+        and all(map(is_, state, entries[1]))
+        and all(map(is_, state.values(), entries[2]))
+    )
+
+
+def _local_state(optimizer: torch.optim.Optimizer, swaps: list) -> defaultdict:
+    """The optimizer's state for a step on the locals of `swaps`: each local's state under
+    it, kept while the group swaps are the same (a step that changes it drops it)."""
+    kept = optimizer.__dict__.get(_LOCAL_STATE)
+    if kept is not None and len(kept[0]) == len(swaps) and all(map(is_, kept[0], swaps)):
+        return kept[1]
+    local_state: defaultdict = defaultdict(dict)
+    for swap in swaps:
+        local_state.update(swap.inserts)
+    optimizer.__dict__[_LOCAL_STATE] = (
+        swaps,
+        local_state,
+        list(local_state),
+        list(local_state.values()),
+    )
+    return local_state
+
+
+def _intact(optimizer: torch.optim.Optimizer, local_state: dict) -> bool:
+    """Does the locals' state still map the same keys to the same dicts after the step (it
+    updated them in place, the usual)? Then each local's state is the one given to it."""
+    kept = optimizer.__dict__.get(_LOCAL_STATE)
+    return (
+        kept is not None
+        and kept[1] is local_state
+        and len(local_state) == len(kept[2])
+        and all(map(is_, local_state, kept[2]))
+        and all(map(is_, local_state.values(), kept[3]))
+    )
+
+
+def _keep_others(local_state: dict, groups: list, state: dict) -> None:
+    """Entries a step put in the locals' state under other keys go to the optimizer's."""
+    ours = {id(t) for swap, *_ in groups for t in swap.locals_}
+    for k, v in local_state.items():
+        if id(k) not in ours:
+            state[k] = v
 
 
 class _GroupSwap:
@@ -202,7 +304,19 @@ class _GroupSwap:
         params = group["params"]
         self.group, self.params, self.whole = group, list(params), whole
         self.specs = list(map(_SPEC, params))
-        self.locals_ = list(map(_LOCAL, params))
+        self.bases = list(map(_LOCAL, params))
+        # Where every gradient waits in a leaf of one one-rank reducer (the data-parallel
+        # fast path's, sharing storage with the parameter's local), the step runs on those
+        # leaves and finds the gradients there: `held` their claims (else None each)
+        self.claims = list(map(WAITING_IN, params))
+        reducer = self.claims[0][0] if self.claims[0] is not None else None
+        self.held = reducer is not None and (
+            reducer.exclusive
+            and reducer.holds_all(self.claims)
+            and all(map(is_, self.bases, reducer.bases))
+        )
+        self.mixed = not self.held and any(c is not None for c in self.claims)
+        self.locals_ = [leaf for _, leaf in self.claims] if self.held else self.bases
         self.sts = sts
         self.keys = list(chain.from_iterable(sts))
         self.values = list(chain.from_iterable(map(dict.values, sts)))
@@ -246,8 +360,9 @@ class _GroupSwap:
         ]  # (plain tensors in the state are numbers such as step counts)
         return _GroupSwap(group, sts, whole) if _all_whole(held, whole, placement) else None
 
-    def fits(self, group: dict, state: dict) -> bool:
-        """Still this group, its parameters, their specs, locals and state tensors?"""
+    def fits(self, group: dict, state: dict, same_entries: bool = False) -> bool:
+        """Still this group, its parameters, their specs, locals and state tensors?
+        (`same_entries`: the state maps every key to the same dict as after the last step.)"""
         params = group["params"]
         if not (
             group is self.group
@@ -255,11 +370,13 @@ class _GroupSwap:
             and len(params) == len(self.params)
             and all(map(is_, params, self.params))
             and all(map(is_, map(_SPEC, params), self.specs))
-            and all(map(is_, map(_LOCAL, params), self.locals_))
+            and all(map(is_, map(_LOCAL, params), self.bases))
+            and all(map(is_, map(WAITING_IN, params), self.claims))
+            and (not self.held or self.claims[0][0].exclusive)
         ):
             return False
-        sts = list(map(state.get, params, repeat(_NO_STATE)))
-        if not all(map(is_, sts, self.sts)):
+        sts = self.sts
+        if not same_entries and not all(map(is_, map(state.get, params, repeat(_NO_STATE)), sts)):
             return False
         values = list(chain.from_iterable(map(dict.values, sts)))
         return (
@@ -270,16 +387,22 @@ class _GroupSwap:
             and all(map(is_, map(getattr, values, repeat("_spec"), repeat(None)), self.value_specs))
         )
 
-    def grads(self) -> list | None:
-        """The local of each parameter's gradient, when all are whole (else None)."""
+    def grads(self) -> tuple[list | None, bool] | None:
+        """The local of each parameter's gradient, and whether it must be put on the
+        locals; None unless all are whole. Where the locals are leaves holding them
+        already, None and False: a step that sets or drops a leaf's gradient then sets or
+        drops its parameter's, with nothing to copy back."""
         with PLAIN_GETTERS():
             raw = list(map(TORCH_GRAD.__get__, self.params))
-        if all(map(is_, raw, repeat(None))):  # (the usual: all waiting, plain)
-            return list(map(WAITING_GRAD, self.params))
+        if all(map(is_, raw, repeat(None))) and not self.mixed:  # (the usual: all waiting)
+            if not self.held:
+                return list(map(WAITING_GRAD, self.params)), True
+            if all(map(is_, map(WAITING_GRAD, self.params), repeat(None))):
+                return None, False
         placement = self.specs[0].placement
         if not _all_whole([g for g in raw if g is not None], self.whole, placement):
             return None
-        return list(map(gradients.local_grad, self.params))
+        return list(map(gradients.local_grad, self.params)), True
 
     def unchanged(self, stepped: list) -> bool:
         """Did the step update the state only in place (the usual step)?"""

@@ -42,6 +42,7 @@ class GlobalTensor(torch.Tensor):
     _local: torch.Tensor
     _spec: GlobalSpec
     _waiting_grad: torch.Tensor | None = None  # (a parameter's: see `grad`)
+    _waiting_in: tuple | None = None  # (a parameter's on one rank: see `grad`)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
@@ -177,9 +178,10 @@ class GlobalTensor(torch.Tensor):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        """torch's `.grad`; a gradient the data-parallel fast path left waiting, plain, is
-        wrapped in first (`sbp.gradients.take_waiting`)."""
-        if self._waiting_grad is not None:
+        """torch's `.grad`; a gradient the data-parallel fast path left waiting, plain (on
+        the parameter, or in its local leaf), is wrapped in first
+        (`sbp.gradients.take_waiting`)."""
+        if self._waiting_grad is not None or self._waiting_in is not None:
             gradients.take_waiting(self)
         return gradients.TORCH_GRAD.__get__(self)
 
@@ -188,6 +190,8 @@ class GlobalTensor(torch.Tensor):
         gradients.TORCH_GRAD.__set__(self, value)
         if self._waiting_grad is not None:
             self._waiting_grad = None
+        if self._waiting_in is not None:
+            self._waiting_in[0].drop([self._waiting_in])
 
     @grad.deleter
     def grad(self) -> None:

@@ -176,6 +176,15 @@ def test_world_of_one():
     assert _rel(got[1], ref[1]) < 1e-12
 
 
+def _waiting_type(p):
+    """The type of the gradient the fast path left waiting, plain, on `p` or (one rank) in
+    its local leaf, when torch's own `.grad` of `p` is still empty; else None's."""
+    if torch._C.TensorBase.grad.__get__(p) is not None:
+        return type(None)
+    waiting, claim = p.__dict__.get("_waiting_grad"), p.__dict__.get("_waiting_in")
+    return type(waiting if waiting is not None or claim is None else claim[1].grad)
+
+
 def _grad_rules(global_model, x, y, P):
     """What users do to `.grad` between backwards, on `global_model` (P given) or, with P
     None, on the same model in one process: backward twice unread, clear one gradient
@@ -194,7 +203,7 @@ def _grad_rules(global_model, x, y, P):
     loss().backward()
     plain = []
     if P is not None:  # waiting plain: no global gradient made until one is read
-        plain = [type(p.__dict__.get("_waiting_grad")) for p in params]
+        plain = [_waiting_type(p) for p in params]
     loss().backward()  # accumulates onto the unread gradients
     seen.append([full(p.grad) for p in params])
     params[0].grad = None
@@ -311,7 +320,7 @@ def test_a_compiled_optimizer_step_reads_waiting_gradients():
     for x, y in _data(steps=3):
         opt.zero_grad()
         _loss(model, x, y, P).backward()
-        waiting.append(type(model.head.weight.__dict__.get("_waiting_grad")))
+        waiting.append(_waiting_type(model.head.weight))
         step()
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
@@ -1241,3 +1250,62 @@ def test_batch_norm_in_train_mode_inside_a_model_in_eval_mode(pool2, compile_loc
         torch.testing.assert_close(running_mean, ref.bn.running_mean, rtol=1e-12, atol=1e-12)
     for _, _, running_mean in pool2.run(_adapting_batch_norm, x, compile_local, "local"):
         torch.testing.assert_close(running_mean, shard.bn.running_mean, rtol=1e-12, atol=1e-12)
+
+
+class _Twin(torch.nn.Module):
+    """MLP's hidden layers (the same modules) under a head of its own."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.layers = mlp.layers
+        self.head = torch.nn.Linear(16, 3)
+
+    forward = MLP.forward
+
+
+def _twin_steps(a, b, data, P):
+    """SGD steps on two models sharing their hidden layers: both in one loss, then each
+    alone; every parameter after each step, as logical tensors."""
+    params = list({id(p): p for p in [*a.parameters(), *b.parameters()]}.values())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def loss(model, x, y):
+        if P is None:
+            return F.cross_entropy(model(x), y)
+        return _loss(model, x, y, P)
+
+    seen = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        models = [(a, b), (b,), (a,), (a, b)][i % 4]
+        sum(loss(m, x, y) for m in models).backward()
+        opt.step()
+        seen.append([(p.full_tensor() if P is not None else p.detach()).clone() for p in params])
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_two_models_sharing_parameters(pool2, world):
+    """Two data-parallel models sharing layers, used together and apart: each shared
+    parameter gets both models' gradients, once each, as in one process (on one rank, the
+    gradients of both models' local leaves are summed when the optimizer reads them)."""
+    data = _data(steps=6)
+
+    def run(world):
+        P = sbp.placement("cpu", list(range(world)))
+        torch.manual_seed(0)
+        a = MLP().double()
+        b = _Twin(a).double()
+        a.to_global(P, B)
+        b.to_global(P, B)
+        seen = _twin_steps(a, b, data, P)
+        paths = {sbp.nn.fast_path.state(m).last_path for m in (a, b)}
+        return seen, paths
+
+    got, paths = pool2.run(run, world)[0]
+    torch.manual_seed(0)
+    a = MLP().double()
+    want = _twin_steps(a, _Twin(a).double(), data, None)
+    assert paths == {"fast"}
+    for g, w in zip(got, want, strict=True):
+        assert _rel(g, w) < 1e-12

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import sbp
 from sbp import optim_step
@@ -366,4 +367,99 @@ def test_kept_group_swaps_follow_changes_between_steps(swaps, monkeypatch):
     # made at steps 2 (the state is new), 3, 4, 5: reused at 6, 7, 8
     assert len(made) == 4
     assert gopt.param_groups[0]["params"] is lists[glob]
+    _assert_same(plain, glob, popt, gopt)
+
+
+def test_a_step_sees_the_state_of_the_locals_and_keeps_what_it_adds(swaps):
+    """Every state entry a parameter's: the step sees the locals' state alone (kept from step
+    to step), and an entry a step hook adds under another key stays in the optimizer's
+    state after the step."""
+    plain, glob, popt, gopt = _pair("adamw")
+    seen = []
+    extra = torch.zeros(1)
+
+    def look(optimizer, args, kwargs):
+        seen.append({type(k) for k in optimizer.state})
+        if len(seen) == 3:  # (a hook's own entry, on one step)
+            optimizer.state[extra]["note"] = 1
+
+    gopt.register_step_pre_hook(look)
+    batches = _batches(5)
+    _train(plain, popt, batches)
+    _train(glob, gopt, batches)
+    assert swaps == [True] * 4
+    # (the first step makes the state; the hook's entry, kept, then sits beside the
+    # parameters' in the optimizer's state, where the locals' entries are added)
+    T, G = torch.Tensor, sbp.GlobalTensor
+    assert seen == [set(), {T}, {T}, {G, T}, {G, T}]
+    assert gopt.state[extra] == {"note": 1}
+    del gopt.state[extra]
+    _assert_same(plain, glob, popt, gopt)
+
+
+def test_a_group_of_plain_parameters_keeps_its_state(swaps):
+    """A group of plain tensors beside a global one: the global group steps on its locals
+    (their state added to the optimizer's for the step), the plain one as torch does."""
+    plain, glob = _models()
+    extra_p, extra_g = torch.nn.Linear(3, 2).double(), torch.nn.Linear(3, 2).double()
+    extra_g.load_state_dict(extra_p.state_dict())
+
+    def groups(m, extra):
+        return [{"params": m.parameters()}, {"params": extra.parameters(), "lr": 0.02}]
+
+    popt = OPTIMIZERS["sgd"](groups(plain, extra_p))
+    gopt = OPTIMIZERS["sgd"](groups(glob, extra_g))
+    batches = _batches(4)
+    for model, extra, opt in ((plain, extra_p, popt), (glob, extra_g, gopt)):
+        for x in batches:
+            opt.zero_grad()
+            h = model(sbp.to_global(x, P1, sbp.split(0)) if model is glob else x)
+            h = h.full_tensor() if model is glob else h
+            (h.square().mean() + extra(h).square().mean()).backward()
+            opt.step()
+    assert swaps == [True] * 3
+    _assert_same(plain, glob, popt, gopt)
+    for p, g in zip(extra_p.parameters(), extra_g.parameters(), strict=True):
+        torch.testing.assert_close(g.detach(), p.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            gopt.state[g]["momentum_buffer"],
+            popt.state[p]["momentum_buffer"],
+            rtol=1e-12,
+            atol=1e-12,
+        )
+
+
+class _SgdThatClears(torch.optim.SGD):
+    """An optimizer of the user's whose step drops the gradients it used."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        return out
+
+
+@pytest.mark.parametrize("hook", ["subclass", "global hook"])
+def test_gradients_an_optimizer_of_the_users_changes_reach_the_parameters(swaps, hook):
+    """A step that is not torch's alone (the user's optimizer class, or a global step hook)
+    may change the gradients on the locals, which then reach the parameters: here it drops
+    them, so the next backward starts afresh, as in one process."""
+    plain, glob = _models()
+    handle = None
+    if hook == "subclass":
+        popt, gopt = (_SgdThatClears(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, glob))
+    else:
+        popt, gopt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, glob))
+        handle = register_optimizer_step_post_hook(lambda o, args, kwargs: o.zero_grad())
+    try:
+        for model, opt in ((plain, popt), (glob, gopt)):
+            for x in _batches():
+                _loss(model, x).backward()  # (no zero_grad: the step drops them)
+                opt.step()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert swaps == [True] * 3
+    assert all(p.grad is None for p in glob.parameters())
     _assert_same(plain, glob, popt, gopt)
