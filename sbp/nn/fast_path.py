@@ -419,6 +419,7 @@ class DataParallel:
         self._module_ref = module
         self._original = module.forward
         self._layouts: OrderedDict = OrderedDict()
+        self._groups: dict = {}  # data_nd: `group(data_nd)` on this placement
         self._warned: set[str] = set()
         self._slots: _Slots | None = None
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
@@ -561,7 +562,13 @@ class DataParallel:
 
     # ------------------------------------------------------------ local run
     def group(self, data_nd: tuple) -> tuple[int, ...]:
-        return batch_norm.split_group(self.placement, data_nd, env.get_rank())
+        """This rank's ranks holding parts of the same batch (kept per layout: every call
+        asks)."""
+        group = self._groups.get(data_nd)
+        if group is None:
+            group = batch_norm.split_group(self.placement, data_nd, env.get_rank())
+            self._groups[data_nd] = group
+        return group
 
     def _prepare_reducer(self, data_nd: tuple) -> None:
         """The local leaves up to date, and a reducer over them for this layout."""
@@ -753,6 +760,7 @@ def attach(module: torch.nn.Module, placement: Placement) -> None:
     if fast is not None:
         fast.placement = placement
         fast._layouts.clear()
+        fast._groups.clear()
         return
     fast = DataParallel(module, placement)
     original = type(module).forward
