@@ -1309,3 +1309,23 @@ def test_two_models_sharing_parameters(pool2, world):
     assert paths == {"fast"}
     for g, w in zip(got, want, strict=True):
         assert _rel(g, w) < 1e-12
+
+
+def test_gradients_after_zero_grad_and_a_new_reducer():
+    """zero_grad, then a reducer made anew over the same leaves (a new bucket size): the
+    next backward's gradients are that backward's alone (world of one)."""
+    data = _data(steps=2)
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    model.to_global(P, B)
+    (x0, y0), (x1, y1) = data
+    _loss(model, x0, y0, P).backward()
+    model.zero_grad()  # (sbp's: the leaves' gradients are marked dropped)
+    sbp.nn.data_parallel(model, bucket_mb=1)
+    _loss(model, x1, y1, P).backward()
+    F.cross_entropy(ref(x1), y1).backward()
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    got = [p.grad.full_tensor() for p in model.parameters()]
+    assert _rel(got, [q.grad for q in ref.parameters()]) < 1e-12

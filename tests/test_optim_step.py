@@ -463,3 +463,16 @@ def test_gradients_an_optimizer_of_the_users_changes_reach_the_parameters(swaps,
     assert swaps == [True] * 3
     assert all(p.grad is None for p in glob.parameters())
     _assert_same(plain, glob, popt, gopt)
+
+
+def test_a_step_after_zero_grad_changes_nothing(swaps):
+    """zero_grad, then a step with no backward between: every gradient is None, so the
+    step leaves parameters and state as they are, as torch's."""
+    plain, glob, popt, gopt = _pair("sgd")
+    batches = _batches(3)
+    for model, opt in ((plain, popt), (glob, gopt)):
+        _train(model, opt, batches)
+        opt.zero_grad()
+        opt.step()
+    assert all(p.grad is None for p in glob.parameters())
+    _assert_same(plain, glob, popt, gopt)
