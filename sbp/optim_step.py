@@ -47,8 +47,8 @@ _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
 _GRAD = attrgetter("grad")
 _KEPT = "_sbp_group_swaps"  # {id(param group): its _GroupSwap}
-_LOCAL_STATE = "_sbp_local_state"  # (the _GroupSwaps, their locals' state, its keys, values)
-_ENTRIES = "_sbp_state_entries"  # (the state, its keys and values after the last local step)
+_LOCAL_STATE = "_sbp_local_state"  # (the _GroupSwaps, their locals' state, its _entries)
+_ENTRIES = "_sbp_state_entries"  # (the state, its _entries after the last local step)
 _NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
 
@@ -238,21 +238,28 @@ class _Swap:
         if unchanged and self.same_entries:
             self.optimizer.__dict__[_ENTRIES] = entries  # (the state's entries stayed)
         elif unchanged:
-            self.optimizer.__dict__[_ENTRIES] = (state, list(state), list(state.values()))
+            self.optimizer.__dict__[_ENTRIES] = (state, _entries(state))
 
 
 def _same_entries(optimizer: torch.optim.Optimizer, state: dict) -> bool:
     """Does `state` hold the same keys and values (the same objects) as after the last step
     on locals? The group swaps then need not look each parameter's state up again (in C
     loops, without hashing: each lookup of a tensor calls torch's `__hash__` in Python)."""
-    entries = optimizer.__dict__.get(_ENTRIES)
-    return (
-        entries is not None
-        and entries[0] is state
-        and len(state) == len(entries[1])
-        and all(map(is_, state, entries[1]))
-        and all(map(is_, state.values(), entries[2]))
-    )
+    kept = optimizer.__dict__.get(_ENTRIES)
+    return kept is not None and kept[0] is state and _same_as(state, kept[1])
+
+
+def _entries(d: dict) -> tuple[list, list]:
+    """`d`'s keys and values, to tell later whether it still maps the same keys to the same
+    objects (`_same_as`)."""
+    return list(d), list(d.values())
+
+
+def _same_as(d: dict, entries: tuple[list, list]) -> bool:
+    """Does `d` map the same keys to the same objects as when `entries` were taken? (C
+    loops over the dict's own order, without hashing a key.)"""
+    keys, values = entries
+    return len(d) == len(keys) and all(map(is_, d, keys)) and all(map(is_, d.values(), values))
 
 
 def _local_state(optimizer: torch.optim.Optimizer, swaps: list) -> defaultdict:
@@ -264,12 +271,7 @@ def _local_state(optimizer: torch.optim.Optimizer, swaps: list) -> defaultdict:
     local_state: defaultdict = defaultdict(dict)
     for swap in swaps:
         local_state.update(swap.inserts)
-    optimizer.__dict__[_LOCAL_STATE] = (
-        swaps,
-        local_state,
-        list(local_state),
-        list(local_state.values()),
-    )
+    optimizer.__dict__[_LOCAL_STATE] = (swaps, local_state, _entries(local_state))
     return local_state
 
 
@@ -277,13 +279,7 @@ def _intact(optimizer: torch.optim.Optimizer, local_state: dict) -> bool:
     """Does the locals' state still map the same keys to the same dicts after the step (it
     updated them in place, the usual)? Then each local's state is the one given to it."""
     kept = optimizer.__dict__.get(_LOCAL_STATE)
-    return (
-        kept is not None
-        and kept[1] is local_state
-        and len(local_state) == len(kept[2])
-        and all(map(is_, local_state, kept[2]))
-        and all(map(is_, local_state.values(), kept[3]))
-    )
+    return kept is not None and kept[1] is local_state and _same_as(local_state, kept[2])
 
 
 def _keep_others(local_state: dict, groups: list, state: dict) -> None:
