@@ -301,14 +301,13 @@ class Reducer:
         """Are `claims` all of this reducer's, in order (in C loops)?"""
         return len(claims) == len(self.claims) and all(map(is_, claims, self.claims))
 
-    def _set_aside(self) -> None:
-        """Gradients still waiting in the leaves (no zero_grad since the last backward) wait
-        on their parameters, so the leaves receive this backward's alone."""
+    def _empty_leaves(self, into: Callable[[int, torch.Tensor], None]) -> None:
+        """Take each leaf's gradient out of it, giving it to `into(i, grad)`."""
         for i, leaf in enumerate(self.leaves):
             grad = TORCH_GRAD.__get__(leaf)
             if grad is not None:
                 TORCH_GRAD.__set__(leaf, None)
-                self._wait(i, grad)
+                into(i, grad)
 
     def _reset(self) -> None:
         self._claimed = [False] * len(self._buckets)  # buffer checked free this backward
@@ -338,7 +337,9 @@ class Reducer:
         """Called when a backward enters the local graph (the module's outputs)."""
         if not self.hooked and not self._queued:
             if not all(map(is_, map(_GRAD, self.leaves), repeat(None))):
-                self._set_aside()
+                # gradients still waiting in the leaves (no zero_grad since the last
+                # backward) wait on their parameters: the leaves get this backward's alone
+                self._empty_leaves(self._wait)
             self._queue_once(self._hand_over)
 
     def _hand_over(self) -> None:
@@ -352,17 +353,10 @@ class Reducer:
                     grad = TORCH_GRAD.__get__(p)
                     if grad is not None and grad._spec.nd_sbp == self.partial_nd:
                         grad._spec = grad._spec._replace(nd_sbp=p._spec.nd_sbp)
-            if self.sync and self.exclusive:
-                return  # (the usual step)
-            grads = list(map(_GRAD, self.leaves))
-            run_all(map(TORCH_GRAD.__set__, self.leaves, repeat(None)))
-            for i, grad in enumerate(grads):
-                if grad is None:
-                    continue
-                if self.sync:
-                    self._wait(i, grad)
-                else:
-                    self._keep_partial(i, grad)
+            if not self.sync:
+                self._empty_leaves(self._keep_partial)
+            elif not self.exclusive:  # (else, the usual step, they stay in the leaves)
+                self._empty_leaves(self._wait)
         finally:
             self._queued = False
             if self.on_finish is not None:
