@@ -39,10 +39,14 @@ from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp, par
 class GlobalTensor(torch.Tensor):
     """A logical tensor with a placement and an SBP signature (see docs/api.md)."""
 
+    # Slots: every op reads `_local` and `_spec`, and every step the two waiting ones of
+    # each parameter. A slot is read in the object itself; an attribute in `__dict__` is
+    # a lookup in another table, most often out of the CPU's caches by then.
+    __slots__ = ("_local", "_spec", "_waiting_grad", "_waiting_in")
     _local: torch.Tensor
     _spec: GlobalSpec
-    _waiting_grad: torch.Tensor | None = None  # (a parameter's: see `grad`)
-    _waiting_in: tuple | None = None  # (a parameter's on one rank: see `grad`)
+    _waiting_grad: torch.Tensor | None  # (a parameter's: see `grad`)
+    _waiting_in: tuple | None  # (a parameter's on one rank: see `grad`)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
@@ -55,6 +59,7 @@ class GlobalTensor(torch.Tensor):
         )
         out._local = local
         out._spec = spec
+        out._waiting_grad = out._waiting_in = None
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
