@@ -8,11 +8,21 @@ averages over the whole logical batch, as one process would compute them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sbp import env
 from sbp.layout import GlobalSpec
-from sbp.ops.registry import Call, Strategy, rebox, register, register_strategy, without_partials
+from sbp.ops.registry import (
+    Call,
+    Strategy,
+    rebox,
+    rebox_to,
+    register,
+    register_strategy,
+    without_partials,
+)
 from sbp.random import draw_seed
 from sbp.signature import broadcast, partial_sum, split, splits_to_partials
 
@@ -93,47 +103,80 @@ def _batch_layout(spec: GlobalSpec) -> tuple:
     return tuple(s if s.is_split and s.dim == 0 else B for s in spec.nd_sbp)
 
 
+class _NllLayout(NamedTuple):
+    """How nll_loss_forward lays out one kind of call (a training loop's loss makes the same
+    call every step): the specs x, target and weight are computed in, and the results'."""
+
+    x: GlobalSpec
+    target: GlobalSpec
+    weight: GlobalSpec | None
+    out: GlobalSpec  # reduction none: per sample, split as the batch; else a partial sum
+    total: GlobalSpec  # the total weight, broadcast
+    total_parts: GlobalSpec  # this rank's local total weight, a partial sum
+    inside: bool  # this rank holds data
+
+
+_nll_layouts: dict = {}
+
+
+def _nll_layout(x, target, weight, reduction: int) -> _NllLayout:
+    rank = env.get_rank()
+    key = (x._spec, target._spec, None if weight is None else weight._spec, reduction, rank)
+    layout = _nll_layouts.get(key)
+    if layout is not None:
+        return layout
+    spec = x._spec
+    nd = _batch_layout(spec) if len(spec.shape) == 2 else tuple(B for _ in spec.nd_sbp)
+    broadcast_nd = (B,) * len(nd)
+    parts = splits_to_partials(nd)
+    total = GlobalSpec(spec.placement, broadcast_nd, (), spec.dtype)
+    layout = _NllLayout(
+        x=spec._replace(nd_sbp=nd),
+        target=target._spec._replace(nd_sbp=nd),
+        weight=None if weight is None else weight._spec._replace(nd_sbp=broadcast_nd),
+        out=GlobalSpec(spec.placement, nd, tuple(target.shape), spec.dtype)
+        if reduction == 0
+        else total._replace(nd_sbp=parts),
+        total=total,
+        total_parts=total._replace(nd_sbp=parts),
+        inside=rank in spec.placement,
+    )
+    if len(_nll_layouts) > 64:
+        _nll_layouts.clear()
+    _nll_layouts[key] = layout
+    return layout
+
+
 @register(aten.nll_loss_forward.default)
 def nll_loss_forward(func, args, kwargs):
     """Mean over the logical batch: local sums divided by the all-reduced total weight."""
     from sbp.tensor import GlobalTensor
 
     x, target, weight, reduction, ignore_index = args
-    nd = _batch_layout(x._spec) if x.dim() == 2 else tuple(B for _ in x.sbp)
-    x = rebox(x, nd)
-    target = rebox(target, nd)
-    weight = rebox(weight, (B,) * len(nd)) if weight is not None else None
-    placement = x._spec.placement
-    local_reduction = 2 if reduction == 1 else reduction
-    inside = env.get_rank() in placement
-    if inside:
-        out, tw = func(
+    layout = _nll_layout(x, target, weight, reduction)
+    x, target = rebox_to(x, layout.x), rebox_to(target, layout.target)
+    weight = None if weight is None else rebox_to(weight, layout.weight)
+    if layout.inside:
+        out, tw = func._op(
             x._local,
             target._local,
             None if weight is None else weight._local,
-            local_reduction,
+            2 if reduction == 1 else reduction,  # a mean is divided by the logical total
             ignore_index,
         )
     else:
         out = torch.empty((), dtype=x.dtype) if reduction else torch.empty(0, dtype=x.dtype)
         tw = torch.empty((), dtype=x.dtype)
     if reduction == 0:
-        spec = GlobalSpec(placement, nd if x.dim() == 2 else nd, tuple(target.shape), x.dtype)
-        tw_spec = GlobalSpec(placement, (B,) * len(nd), (), x.dtype)
-        return GlobalTensor(out, spec), GlobalTensor(tw, tw_spec)
-    parts = splits_to_partials(nd)
+        return GlobalTensor(out, layout.out), GlobalTensor(tw, layout.total)
     if reduction == 1 and weight is None and _never_ignored(target, ignore_index):
         # every logical target counts: the divisor is their number, no collective needed
-        total = GlobalTensor(
-            tw.new_full((), target.numel()), GlobalSpec(placement, (B,) * len(nd), (), x.dtype)
-        )
+        total = GlobalTensor(tw.new_full((), target.numel()), layout.total)
     else:
-        total = rebox(GlobalTensor(tw, GlobalSpec(placement, parts, (), x.dtype)), (B,) * len(nd))
+        total = rebox_to(GlobalTensor(tw, layout.total_parts), layout.total)
     if reduction == 2:
-        return GlobalTensor(out, GlobalSpec(placement, parts, (), x.dtype)), total
-    return GlobalTensor(
-        out / total._local if inside else out, GlobalSpec(placement, parts, (), x.dtype)
-    ), total
+        return GlobalTensor(out, layout.out), total
+    return GlobalTensor(out / total._local if layout.inside else out, layout.out), total
 
 
 def _never_ignored(target, ignore_index: int) -> bool:

@@ -531,12 +531,15 @@ def keep_layout_while_tracing(func, before: GlobalSpec, after: GlobalSpec) -> No
 
 def rebox(g, nd_sbp) -> Any:
     """`g` converted to `nd_sbp` on its placement, outside autograd (for use inside rules)."""
-    from sbp.tensor import GlobalTensor, box
+    return rebox_to(g, g._spec._replace(nd_sbp=tuple(nd_sbp)))
 
-    target = g._spec._replace(nd_sbp=tuple(nd_sbp))
-    if target == g._spec:
+
+def rebox_to(g, spec: GlobalSpec) -> Any:
+    """`g` converted to `spec` (its own placement, shape and dtype), as `rebox`."""
+    if spec == g._spec:
         return g
-    return GlobalTensor(box(g._local, g._spec, target), target)
+    GlobalTensor, box = _tensor_helpers()
+    return GlobalTensor(box(g._local, g._spec, spec), spec)
 
 
 def without_partials(g) -> Any:
