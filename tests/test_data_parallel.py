@@ -7,6 +7,7 @@ rounding.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def _waiting_type(p):
     its local leaf, when torch's own `.grad` of `p` is still empty; else None's."""
     if torch._C.TensorBase.grad.__get__(p) is not None:
         return type(None)
-    waiting, claim = p.__dict__.get("_waiting_grad"), p.__dict__.get("_waiting_in")
+    waiting, claim = p._waiting_grad, p._waiting_in
     return type(waiting if waiting is not None or claim is None else claim[1].grad)
 
 
@@ -1041,6 +1042,31 @@ def test_error_on_graph_break_traces_the_model_in_one_graph():
     assert sbp.nn.fast_path.state(model).last_path == "traced"
     assert _convolutions_on(graphs, sbp.GlobalTensor)
     assert torch.allclose(out.full_tensor(), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_compiling_model_after_model_keeps_one_backend_per_kind():
+    """Each torch.compile call makes its own backend object; equal ones share one entry of
+    the fast path's backend list (it grew by one per call, for the life of the process),
+    unequal ones do not, and every model's output equals one process."""
+    import sbp.nn
+
+    fast_path = sys.modules["sbp.nn.fast_path"]
+    P = sbp.placement("cpu", [0])
+    x = _data(n=6, steps=1, shape=(3, 5, 5), classes=4)[0][0]
+    torch._dynamo.reset()
+    before = len(fast_path._COMPILE_BACKENDS)
+    indices = []
+    for backend in ("aot_eager", "aot_eager", "aot_eager", "eager"):
+        torch.manual_seed(0)
+        ref = ConvBN().double().eval()
+        model = copy.deepcopy(ref).to_global(P, B)
+        out = torch.compile(model, backend=backend)(_global(x, P))
+        assert sbp.nn.fast_path.state(model).last_path == "fast"
+        assert torch.allclose(out.full_tensor(), ref(x), rtol=1e-12, atol=1e-12)
+        indices.append(sbp.nn.fast_path.state(model).backend)
+    torch._dynamo.reset()
+    assert len(fast_path._COMPILE_BACKENDS) - before <= 2
+    assert indices[0] == indices[1] == indices[2] != indices[3]
 
 
 def _compiled_loss_steps(P, data, backend):

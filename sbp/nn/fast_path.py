@@ -72,6 +72,23 @@ class Layout:
     # run then intercepts them inside those modules only (a mode over the whole forward
     # costs ~5% of a mobilenet_v2 forward)
     in_modules: bool = True
+    # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
+    # gradient's spec) or None for a plain value])
+    exits: tuple | None = None
+
+    def exits_on(self, rank: int, data_nd: tuple) -> list:
+        """Each global output's local shape on `rank` and the spec its gradient comes in."""
+        if self.exits is None or self.exits[0] != rank:
+            self.exits = (
+                rank,
+                [
+                    (s.local_shape(rank), _share_spec(s, data_nd))
+                    if isinstance(s, GlobalSpec)
+                    else None
+                    for s in self.out_specs
+                ],
+            )
+        return self.exits[1]
 
 
 class _Check:
@@ -729,20 +746,20 @@ class DataParallel:
         leaves, tree = tree_flatten(out)
         if len(leaves) != len(layout.out_specs):
             raise RuntimeError("sbp data-parallel fast path: the module's outputs changed shape")
-        me = env.get_rank()
         wrapped = []
-        for t, spec in zip(leaves, layout.out_specs, strict=True):
-            if not isinstance(spec, GlobalSpec):
+        exits = layout.exits_on(env.get_rank(), data_nd)
+        for t, spec, exit_ in zip(leaves, layout.out_specs, exits, strict=True):
+            if exit_ is None:
                 wrapped.append(t)
                 continue
-            if tuple(t.shape) != spec.local_shape(me):
+            local_shape, grad_spec = exit_
+            if t.shape != local_shape:
                 raise RuntimeError(
                     f"sbp data-parallel fast path: a local output has shape {tuple(t.shape)} "
-                    f"where {spec.local_shape(me)} was expected; the module uses the batch size "
+                    f"where {local_shape} was expected; the module uses the batch size "
                     "in a way that is not separable: sbp.nn.data_parallel(module, fast=False)"
                 )
             if grad and t.requires_grad:
-                grad_spec = _share_spec(spec, data_nd)
                 # (only a hookless reducer needs telling; a graph keeps no other alive)
                 reducer = None if self._reducer.hooked else self._reducer
                 wrapped.append(_ExitLocal.apply(t, spec, grad_spec, reducer))
@@ -806,13 +823,17 @@ def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
 
 
 # Backends of the torch.compile calls that ran a model with the fast path; a trace takes an
-# index into this list as a constant (`_under_torch_compile`).
+# index into this list as a constant (`_under_torch_compile`). Each torch.compile call makes
+# its own backend object; equal ones (the same compiler and options: torch's wrappers
+# compare so, under Dynamo's debug wrapper) share an entry, so a process compiling model
+# after model keeps one per kind.
 _COMPILE_BACKENDS: list = []
 
 
 def _backend_index(backend: Any) -> int:
+    inner = getattr(backend, "_torchdynamo_orig_backend", backend)
     for i, known in enumerate(_COMPILE_BACKENDS):
-        if known is backend:
+        if known is backend or getattr(known, "_torchdynamo_orig_backend", known) == inner:
             return i
     _COMPILE_BACKENDS.append(backend)
     return len(_COMPILE_BACKENDS) - 1
