@@ -73,7 +73,7 @@ class Layout:
     # costs ~5% of a mobilenet_v2 forward)
     in_modules: bool = True
     # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
-    # gradient's spec) or None for a plain value])
+    # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
     exits: tuple | None = None
 
     def exits_on(self, rank: int, data_nd: tuple) -> list:
