@@ -8,7 +8,10 @@ call, the loss, backward and the optimizer's step. The median of each phase over
 rounds, and sbp's extra over torch per phase, say where sbp's host work is.
 
 Run `python benchmarks/compile_phases.py` (the `compile.py` proxy's shape by default:
-`--width 0.1 --image 8 --batch 2`, a step that is mostly host work as on an H100).
+`--width 0.1 --image 8 --batch 2`, a step that is mostly host work as on an H100). With
+`--device cuda` the phases are still host time (what sbp adds is host work; the GPU's
+kernels run behind it), and a last column gives each whole step's wall time, the GPU
+waited for at its end.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ except ImportError:  # `python benchmarks/compile_phases.py`
     from compile import _model, _sgd
 
 PHASES = ("zero_grad", "forward", "loss", "backward", "step")
+WALL = "wall"  # the whole step, synchronized at its end (not a phase: not in the sum)
 
 
-def _timed_step(model, opt, x, y, times: dict[str, list[float]]) -> None:
+def _timed_step(model, opt, x, y, times: dict[str, list[float]], cuda: bool) -> None:
     clock = time.thread_time_ns
+    w0 = time.perf_counter_ns()
     t0 = clock()
     opt.zero_grad(set_to_none=True)
     t1 = clock()
@@ -46,6 +51,9 @@ def _timed_step(model, opt, x, y, times: dict[str, list[float]]) -> None:
     t4 = clock()
     opt.step()
     t5 = clock()
+    if cuda:
+        torch.cuda.synchronize()
+    times[WALL].append((time.perf_counter_ns() - w0) / 1e6)
     for name, ns in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
         times[name].append(ns / 1e6)
 
@@ -57,23 +65,28 @@ def _worker(rank: int, world: int, cfg: dict, path: str) -> None:
     import sbp.nn
 
     warnings.filterwarnings("ignore")
+    device = cfg["device"]
+    cuda = device == "cuda"
+    if cuda:
+        common.use_cuda_device(rank)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=g)
-    y = torch.randint(0, 10, (cfg["batch"],), generator=g)
-    P = sbp.placement("cpu", [0])
+    x = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=g).to(device)
+    y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(device)
+    P = sbp.placement(device, [0])
     gx, gy = sbp.to_global(x, P, sbp.split(0)), sbp.to_global(y, P, sbp.split(0))
-    plain = _model(cfg["width"])
-    glob = _model(cfg["width"]).to_global(P, sbp.broadcast)
+    plain = _model(cfg["width"]).to(device)
+    glob = _model(cfg["width"]).to(device).to_global(P, sbp.broadcast)
     sbp.nn.data_parallel(glob)
     runs: dict[str, Any] = {
         "torch-compiled": (torch.compile(plain), _sgd(plain), x, y),
         "global-compiled": (torch.compile(glob), _sgd(glob), gx, gy),
     }
-    times = {name: {p: [] for p in PHASES} for name in runs}
+    times = {name: {p: [] for p in (*PHASES, WALL)} for name in runs}
     for rounds, kept in ((cfg["warmup"], False), (cfg["rounds"], True)):  # (warm-up compiles)
         for _ in range(rounds):
             for name, (model, opt, a, b) in runs.items():  # interleaved: drift hits both
-                _timed_step(model, opt, a, b, times[name] if kept else {p: [] for p in PHASES})
+                into = times[name] if kept else {p: [] for p in (*PHASES, WALL)}
+                _timed_step(model, opt, a, b, into, cuda)
     medians = {
         name: {p: statistics.median(ts) for p, ts in phases.items()}
         for name, phases in times.items()
@@ -86,9 +99,11 @@ def _report(rows: list[dict]) -> str:
     by = {r["method"]: r["phase_ms"] for r in rows}
     torch_ms, global_ms = by["torch-compiled"], by["global-compiled"]
     lines = []
-    for p in (*PHASES, "sum"):
-        t = sum(torch_ms.values()) if p == "sum" else torch_ms[p]
-        s = sum(global_ms.values()) if p == "sum" else global_ms[p]
+    for p in (*PHASES, "sum", WALL):
+        if WALL not in torch_ms and p == WALL:  # (results written before the wall column)
+            continue
+        t = sum(torch_ms[q] for q in PHASES) if p == "sum" else torch_ms[p]
+        s = sum(global_ms[q] for q in PHASES) if p == "sum" else global_ms[p]
         lines.append((p, f"{t:.3f}", f"{s:.3f}", f"{s - t:+.3f}", common.fmt(common.ratio(s, t))))
     header = ("phase", "torch-compiled ms", "global-compiled ms", "extra ms", "x torch")
     return common.table(lines, header)
@@ -101,14 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--image", type=int, default=8, help="image side, pixels")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("batch", "width", "image", "warmup", "rounds")}
+    keys = ("batch", "width", "image", "warmup", "rounds", "device")
+    cfg = {k: getattr(args, k) for k in keys}
     rows = common.gather_rows(_worker, 1, cfg)
     common.print_report(_report(rows), {})
     payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
     out = None if args.out is None else Path(args.out)
-    path = common.write_results("compile-phases", payload, out)
+    name = "compile-phases" + ("-cuda" if args.device == "cuda" else "")
+    path = common.write_results(name, payload, out)
     print(f"wrote {path[0]}")
 
 
