@@ -4,6 +4,8 @@
 #   kernels   benchmarks/kernels.py, GB/s against a device copy and the torch composition
 #   example   a few steps of the main example on cuda:0 (a world of one)
 #   compile   benchmarks/compile.py --device cuda (Inductor: minutes)
+#   phases    benchmarks/compile_phases.py --device cuda at compile.py's shape: where a world
+#             of one's compiled step spends sbp's host time, phase by phase
 #   dp        benchmarks/data_parallel.py --device cuda: worlds of 1 and 2 (ranks share a GPU
 #             over gloo where there are fewer GPUs than ranks: NCCL needs a GPU per rank)
 # Usage: bash scripts/gpu_checks.sh OUT_DIR [PART...]   (all parts by default)
@@ -14,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_checks.sh OUT_DIR [PART...]}
 shift
-parts=("${@:-tests kernels example dp compile}")
+parts=("${@:-tests kernels example dp compile phases}")
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=python3
@@ -45,6 +47,8 @@ for part in ${parts[*]}; do
       --out "$out/dp.json" ;;
     compile) run compile 330 $py benchmarks/compile.py --device cuda --rounds 11 \
       --out "$out/compile.json" ;;
+    phases) run phases 300 $py benchmarks/compile_phases.py --device cuda --width 1.0 \
+      --image 32 --batch 32 --warmup 10 --rounds 100 --out "$out/phases.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done
