@@ -46,12 +46,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sbp import comm, env, gradients, local_constants, random
 from sbp.layout import GlobalSpec
-from sbp.nn import shard_batch_norm
+from sbp.nn import model_output, shard_batch_norm
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, same_layout
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, partial_sum, split, splits_to_partials
-from sbp.tensor import GlobalTensor, box
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
@@ -312,28 +312,6 @@ class _EnterLocal(torch.autograd.Function):
         return GlobalTensor(grad.contiguous(), ctx.grad_spec), None
 
 
-class _ExitLocal(torch.autograd.Function):
-    """A local output wrapped as global; the gradient comes back laid out as the local graph
-    needs it: split where the output is split, a partial sum where it is broadcast."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, spec: GlobalSpec, grad_spec: GlobalSpec, reducer):
-        ctx.grad_spec, ctx.reducer = grad_spec, reducer
-        return GlobalTensor(t.detach(), spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reducer is not None:
-            ctx.reducer.backward_started()
-        if not isinstance(grad, GlobalTensor):
-            grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=_all_broadcast(ctx.grad_spec)))
-        return box(grad._local, grad._spec, ctx.grad_spec), None, None, None
-
-
-def _all_broadcast(spec: GlobalSpec) -> tuple:
-    return (broadcast,) * len(spec.nd_sbp)
-
-
 def _share_spec(spec: GlobalSpec, data_nd: tuple) -> GlobalSpec:
     """`spec` with broadcast turned into partial sums on the hierarchy dims the batch splits."""
     nd = tuple(
@@ -450,6 +428,9 @@ class DataParallel:
         self._compile_declined = False  # warned that a call runs eagerly
         self.backend: int | None = None  # its last compiled call's, in _COMPILE_BACKENDS
         self.number = next(_NUMBERS)  # what a trace of its call is guarded on
+        # outputs are `sbp.nn.model_output.ModelOutput`s (their losses run on local tensors)
+        # until one is passed to a compiled function
+        self.twins = True
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -759,12 +740,9 @@ class DataParallel:
                     f"where {local_shape} was expected; the module uses the batch size "
                     "in a way that is not separable: sbp.nn.data_parallel(module, fast=False)"
                 )
-            if grad and t.requires_grad:
-                # (only a hookless reducer needs telling; a graph keeps no other alive)
-                reducer = None if self._reducer.hooked else self._reducer
-                wrapped.append(_ExitLocal.apply(t, spec, grad_spec, reducer))
-            else:
-                wrapped.append(GlobalTensor(t, spec))
+            # (only a hookless reducer needs telling; a graph keeps no other alive)
+            reducer = None if not grad or self._reducer.hooked else self._reducer
+            wrapped.append(model_output.wrap(t, spec, grad_spec, data_nd, reducer, self))
         return tree_unflatten(wrapped, tree)
 
 

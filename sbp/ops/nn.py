@@ -169,7 +169,7 @@ def nll_loss_forward(func, args, kwargs):
         tw = torch.empty((), dtype=x.dtype)
     if reduction == 0:
         return GlobalTensor(out, layout.out), GlobalTensor(tw, layout.total)
-    if reduction == 1 and weight is None and _never_ignored(target, ignore_index):
+    if reduction == 1 and weight is None and never_ignored(target, ignore_index):
         # every logical target counts: the divisor is their number, no collective needed
         total = GlobalTensor(tw.new_full((), target.numel()), layout.total)
     else:
@@ -179,7 +179,7 @@ def nll_loss_forward(func, args, kwargs):
     return GlobalTensor(out / total._local if layout.inside else out, layout.out), total
 
 
-def _never_ignored(target, ignore_index: int) -> bool:
+def never_ignored(target, ignore_index: int) -> bool:
     """Is `ignore_index` outside the range of the logical targets known from `to_global`?"""
     from sbp.tensor import known_range
 

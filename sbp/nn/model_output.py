@@ -1,0 +1,269 @@
+"""What the data-parallel fast path returns: global outputs that remember their local twin.
+
+The fast path runs a module on local tensors and wraps each output as a global tensor
+(`ExitLocal`). A loss of that output taken op by op costs a Python dispatch per aten op,
+forward and backward (seven for a cross-entropy), where the same loss of the local output
+is two C++ ops of the local graph. So the fast path returns `ModelOutput`s:
+`F.cross_entropy` and `F.nll_loss` (and `nn.CrossEntropyLoss`, `nn.NLLLoss`) of one, with
+class-index targets laid out as the batch, run on the local tensors and return what the
+op-by-op rule returns (`sbp.ops.nn.nll_loss_forward`): each rank's sum, a partial sum,
+divided by the logical batch's total weight.
+
+Any other use of an output (a torch function or method, an attribute read through torch)
+first turns it into a plain GlobalTensor, so everything after runs op by op as before, and
+no other code of sbp meets the class. A loss of an output changed under it (its local
+tensor written, a hook) runs op by op too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
+
+from sbp.gradients import PLAIN_GETTERS
+from sbp.layout import GlobalSpec
+from sbp.ops.nn import never_ignored
+from sbp.signature import broadcast, splits_to_partials
+from sbp.tensor import GlobalTensor, box
+
+
+class ExitLocal(torch.autograd.Function):
+    """A local output wrapped as global; the gradient comes back laid out as the local graph
+    needs it: split where the output is split, a partial sum where it is broadcast."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, spec: GlobalSpec, grad_spec: GlobalSpec, reducer, cls):
+        ctx.grad_spec, ctx.reducer = grad_spec, reducer
+        return cls(t.detach(), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reducer is not None:
+            ctx.reducer.backward_started()
+        if not isinstance(grad, GlobalTensor):
+            grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=_all_broadcast(ctx.grad_spec)))
+        return box(grad._local, grad._spec, ctx.grad_spec), None, None, None, None
+
+
+def _all_broadcast(spec: GlobalSpec) -> tuple:
+    return (broadcast,) * len(spec.nd_sbp)
+
+
+class _Twin(NamedTuple):
+    """An output's local tensor in the local graph, and the output as the fast path made it."""
+
+    local: torch.Tensor
+    node: Any  # the output's grad_fn (None without one)
+    version: int  # of the local tensors' shared version counter
+    spec: GlobalSpec
+    data_nd: tuple  # how the batch is laid out
+    reducer: Any  # told when backward starts (None where its hooks tell it)
+    owner: Any  # what made it (its `twins` says whether it still makes ModelOutputs)
+
+
+class ModelOutput(GlobalTensor):
+    """A global output of the fast path, until it is used for anything but a loss: then it
+    turns into a plain GlobalTensor, so the rest of sbp, and compiled code, which checks
+    its inputs' types, only ever see those. Its twin is in the instance dict, so that its
+    layout is GlobalTensor's and its class can change."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with PLAIN_GETTERS():
+            local_loss = _LOCAL_LOSSES.get(func)
+            if local_loss is not None:
+                out = local_loss(*args, **kwargs)
+                if out is not None:
+                    return out
+            for a in tree_leaves((args, kwargs)):
+                if type(a) is ModelOutput:
+                    _demote(a)
+            return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        """Passed to a compiled function (Dynamo and AOT autograd trace it), it becomes a
+        GlobalTensor, and its model returns GlobalTensors from then on: the compiled code
+        checks that each input has the traced type, before any of sbp's code could turn
+        the next output into a GlobalTensor, so it would be compiled again every call."""
+        self.__dict__["_twin"].owner.twins = False
+        _demote(self)
+        return GlobalTensor.__tensor_flatten__(self)
+
+
+def _demote(x: ModelOutput) -> None:
+    x.__class__ = GlobalTensor
+    del x.__dict__["_twin"]
+
+
+def wrap(
+    t: torch.Tensor,
+    spec: GlobalSpec,
+    grad_spec: GlobalSpec,
+    data_nd: tuple,
+    reducer: Any,
+    owner: Any,
+) -> GlobalTensor:
+    """The global output of local output `t`, differentiable where `t` requires grad and
+    grad mode is on; a ModelOutput remembering `t` while `owner.twins` holds."""
+    cls = ModelOutput if owner.twins else GlobalTensor
+    if torch.is_grad_enabled() and t.requires_grad:
+        out = ExitLocal.apply(t, spec, grad_spec, reducer, cls)
+        with PLAIN_GETTERS():
+            node = out.grad_fn
+    else:
+        out, node = cls(t, spec), None
+    if cls is ModelOutput:
+        out.__dict__["_twin"] = _Twin(t, node, t._version, spec, data_nd, reducer, owner)
+    return out
+
+
+def _unchanged_twin(x: Any) -> _Twin | None:
+    """`x`'s twin where `x` is still the output the fast path made (under PLAIN_GETTERS)."""
+    twin = x.__dict__["_twin"] if type(x) is ModelOutput else None
+    if (
+        twin is None
+        or x.grad_fn is not twin.node
+        or x._local._version != twin.version
+        or x._spec is not twin.spec
+        or x.requires_grad != twin.local.requires_grad
+        or x.retains_grad
+        or x._backward_hooks
+    ):
+        return None
+    return twin
+
+
+class _LossLayout(NamedTuple):
+    """How a loss of an output laid out as the batch is laid out (the op-by-op rule's)."""
+
+    out: GlobalSpec  # reduction "none": split as the batch; else each rank's partial sum
+    grad: GlobalSpec  # how the loss's gradient reaches the local graph
+    total: GlobalSpec  # the mean's divisor, broadcast
+
+
+_layouts: dict = {}  # (x's spec, target's, weight's, reduction, data_nd): _LossLayout or None
+_counts: dict = {}  # (number, dtype, device): the divisor tensor of a mean over that many
+
+
+def _loss_layout(x_spec, target, weight, reduction: str, data_nd: tuple) -> _LossLayout | None:
+    """The loss's layout where it can run on local tensors, else None (kept per key: a
+    training loop makes the same call every step)."""
+    if type(target) is not GlobalTensor or not (weight is None or type(weight) is GlobalTensor):
+        return None
+    key = (x_spec, target._spec, None if weight is None else weight._spec, reduction, data_nd)
+    if key in _layouts:
+        return _layouts[key]
+    P = x_spec.placement
+    t = target._spec
+    ok = (
+        len(x_spec.shape) == 2
+        and x_spec.nd_sbp == data_nd
+        and t.placement == P
+        and t.nd_sbp == data_nd
+        and t.shape == x_spec.shape[:1]
+        and not t.dtype.is_floating_point
+        and (weight is None or (weight._spec.placement == P and weight._spec.nd_sbp == _all_b(P)))
+        and reduction in ("mean", "sum", "none")
+    )
+    layout = None
+    if ok:
+        total = GlobalSpec(P, _all_b(P), (), x_spec.dtype)
+        if reduction == "none":
+            out = GlobalSpec(P, data_nd, t.shape, x_spec.dtype)
+            layout = _LossLayout(out, out, total)
+        else:
+            layout = _LossLayout(total._replace(nd_sbp=splits_to_partials(data_nd)), total, total)
+    if len(_layouts) > 64:
+        _layouts.clear()
+    _layouts[key] = layout
+    return layout
+
+
+def _all_b(P) -> tuple:
+    return (broadcast,) * P.ndim
+
+
+def _loss_of_twin(
+    loss, x, target, weight, size_average, reduce, reduction: str, ignore_index: int, **options
+) -> GlobalTensor | None:
+    """`loss` (F.cross_entropy or F.nll_loss) of output `x` on the local tensors, or None
+    where it runs op by op: x not a class-score matrix laid out as the batch, a target or
+    weight laid out otherwise, or the deprecated `size_average` / `reduce`."""
+    twin = _unchanged_twin(x)
+    if twin is None or size_average is not None or reduce is not None:
+        return None
+    layout = _loss_layout(twin.spec, target, weight, reduction, twin.data_nd)
+    if layout is None:
+        return None
+    weight = None if weight is None else weight._local
+    local = loss(
+        twin.local,
+        target._local,
+        weight,
+        ignore_index=ignore_index,
+        reduction="none" if reduction == "none" else "sum",
+        **options,
+    )
+    if reduction == "mean":
+        local = local / _total_weight(twin.local, target, weight, ignore_index, layout)
+    if local.requires_grad:
+        return ExitLocal.apply(local, layout.out, layout.grad, twin.reducer, GlobalTensor)
+    return GlobalTensor(local, layout.out)
+
+
+def _total_weight(scores, target, weight, ignore_index: int, layout: _LossLayout):
+    """The divisor of the mean, as the op-by-op rule finds it: the logical targets' number
+    where none can be ignored (no collective), else their total weight, summed over ranks."""
+    if weight is None and never_ignored(target, ignore_index):
+        key = (target.shape[0], layout.total.dtype, scores.device)
+        count = _counts.get(key)
+        if count is None:
+            if len(_counts) > 64:
+                _counts.clear()
+            count = _counts[key] = torch.full((), key[0], dtype=key[1], device=key[2])
+        return count
+    with torch.no_grad():
+        _, mine = torch.ops.aten.nll_loss_forward(
+            scores.detach(), target._local, weight, 2, ignore_index
+        )
+    return box(mine, layout.out, layout.total)
+
+
+def _cross_entropy(
+    input,
+    target,
+    weight=None,
+    size_average=None,
+    ignore_index=-100,
+    reduce=None,
+    reduction="mean",
+    label_smoothing=0.0,
+):
+    return _loss_of_twin(
+        F.cross_entropy,
+        input,
+        target,
+        weight,
+        size_average,
+        reduce,
+        reduction,
+        ignore_index,
+        label_smoothing=label_smoothing,
+    )
+
+
+def _nll_loss(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"
+):
+    return _loss_of_twin(
+        F.nll_loss, input, target, weight, size_average, reduce, reduction, ignore_index
+    )
+
+
+_LOCAL_LOSSES = {F.cross_entropy: _cross_entropy, F.nll_loss: _nll_loss}

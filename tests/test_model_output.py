@@ -1,0 +1,188 @@
+"""Losses of the data-parallel fast path's outputs on local tensors (sbp.nn.model_output).
+
+Every case computes the loss and the parameters' gradients in one process on the logical
+batch (float64) and compares; it also counts the global ops the loss ran op by op, which
+say whether it ran on the local tensors (none) or fell back.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+S0, B = sbp.split(0), sbp.broadcast
+N, CLASSES = 7, 5  # uneven on two ranks
+
+
+class Net(torch.nn.Module):
+    def __init__(self, log_probs=False):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh())
+        self.head = torch.nn.Linear(8, CLASSES)
+        self.log_probs = log_probs
+
+    def forward(self, x):
+        out = self.head(self.body(x))
+        return F.log_softmax(out, dim=1) if self.log_probs else out
+
+
+class _Count:
+    """Counts the global ops dispatched op by op (an observer of `sbp.ops.registry`)."""
+
+    def __init__(self):
+        self.ops = 0
+
+    def direct(self, *args):
+        self.ops += 1
+
+    strategy = custom = direct
+
+
+def _data(ignored=False):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 6, dtype=torch.float64, generator=g)
+    y = torch.randint(0, CLASSES, (N,), generator=g)
+    if ignored:
+        y[5] = -100  # on the second of two ranks
+    return x, y
+
+
+def _global(t, P):
+    me = sbp.env.get_rank()
+    return sbp.to_global(t[sbp.local_slices(t.shape, P, (S0,), P.coord(me))], P, S0)
+
+
+def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use):
+    """On each rank: the fast path's output, `use(out)` (or nothing), then the loss; returns
+    the logical loss, the gradients, the ops run op by op in the loss's forward, and the
+    output's class when the loss saw it."""
+    from sbp.ops import registry
+
+    P = sbp.placement("cpu", list(range(world)))
+    x, y = _data(ignored)
+    torch.manual_seed(0)
+    model = Net(log_probs).double().to_global(P, B)
+    weight = torch.linspace(0.5, 2.0, CLASSES, dtype=torch.float64)
+    kwargs = {"weight": sbp.to_global(weight, P, B)} if weighted else {}
+    out = model(_global(x, P))
+    if use is not None:
+        out = use(out)
+    kind = type(out).__name__
+    count = _Count()
+    registry.observers.append(count)
+    try:
+        loss = loss_fn(out, _global(y, P), **kwargs)
+    finally:
+        registry.observers.remove(count)
+    (loss if loss.dim() == 0 else loss.sum()).backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    return loss.full_tensor(), grads, count.ops, kind
+
+
+def _reference(loss_fn, log_probs, ignored, weighted, use):
+    x, y = _data(ignored)
+    torch.manual_seed(0)
+    model = Net(log_probs).double()
+    weight = torch.linspace(0.5, 2.0, CLASSES, dtype=torch.float64)
+    kwargs = {"weight": weight} if weighted else {}
+    out = model(x)
+    if use is not None:
+        out = use(out)
+    loss = loss_fn(out, y, **kwargs)
+    (loss if loss.dim() == 0 else loss.sum()).backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _close(a, b):
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), (a, b)
+
+
+LOSSES = {
+    "cross_entropy": (F.cross_entropy, False),
+    "cross_entropy_sum": (lambda o, t, **k: F.cross_entropy(o, t, reduction="sum", **k), False),
+    "cross_entropy_none": (lambda o, t, **k: F.cross_entropy(o, t, reduction="none", **k), False),
+    "label_smoothing": (lambda o, t, **k: F.cross_entropy(o, t, label_smoothing=0.1, **k), False),
+    "module": (lambda o, t, **k: torch.nn.CrossEntropyLoss(**k)(o, t), False),
+    "nll_loss": (F.nll_loss, True),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("ignored,weighted", [(False, False), (True, False), (True, True)])
+def test_a_loss_of_an_output_runs_on_local_tensors(pool2, world, name, ignored, weighted):
+    loss_fn, log_probs = LOSSES[name]
+    ref_loss, ref_grads = _reference(loss_fn, log_probs, ignored, weighted, None)
+    args = (loss_fn, world, log_probs, ignored, weighted, None)
+    # (a world of one in this process: no launcher variables, no process group)
+    for loss, grads, ops, kind in (
+        pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
+    ):
+        assert kind == "ModelOutput"
+        assert ops == 0  # nothing op by op: the loss ran on the local tensors
+        _close(loss, ref_loss)
+        for g, r in zip(grads, ref_grads, strict=True):
+            _close(g, r)
+
+
+def _in_place(out):
+    return out.mul_(2)
+
+
+def _hooked(out):
+    seen = []
+    out.register_hook(lambda g: seen.append(g) or g * 3)
+    return out
+
+
+USES = {"in_place": _in_place, "hook": _hooked, "view": lambda out: out.view(N, CLASSES)}
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+def test_any_other_use_first_makes_an_output_a_global_tensor(pool2, use):
+    """An output used for anything else before its loss is a plain GlobalTensor from then
+    on: its loss runs op by op and sees what the use did."""
+    ref_loss, ref_grads = _reference(F.cross_entropy, False, False, False, USES[use])
+    for loss, grads, ops, kind in pool2.run(
+        _loss_and_grads, F.cross_entropy, 2, False, False, False, USES[use]
+    ):
+        assert kind == "GlobalTensor"
+        assert ops > 0
+        _close(loss, ref_loss)
+        for g, r in zip(grads, ref_grads, strict=True):
+            _close(g, r)
+
+
+def _compiled_losses(steps):
+    from torch._dynamo.utils import counters
+
+    P = sbp.placement("cpu", [0])
+    x, y = _data()
+    torch.manual_seed(0)
+    model = Net().double().to_global(P, B)
+    loss_of = torch.compile(lambda out, t: F.cross_entropy(out, t), backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    losses, kinds = [], []
+    for _ in range(steps):
+        out = model(_global(x, P))
+        kinds.append(type(out).__name__)
+        loss = loss_of(out, _global(y, P))
+        loss.backward()
+        losses.append(loss.full_tensor())
+    return losses, kinds, counters["stats"]["unique_graphs"]
+
+
+def test_an_output_passed_to_a_compiled_function_compiles_it_once():
+    """Compiled code checks its inputs' types before sbp's code runs: the first output it
+    gets becomes a GlobalTensor as it is traced, and the model returns GlobalTensors from
+    then on, so the function is compiled once."""
+    ref_loss, _ = _reference(F.cross_entropy, False, False, False, None)
+    losses, kinds, graphs = _compiled_losses(3)
+    torch._dynamo.reset()
+    assert kinds == ["ModelOutput", "GlobalTensor", "GlobalTensor"]
+    assert graphs == 1
+    for loss in losses:
+        _close(loss, ref_loss)
