@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sbp import comm, env, gradients, local_constants, random
 from sbp.layout import GlobalSpec
-from sbp.nn import model_output, shard_batch_norm
+from sbp.nn import outputs, shard_batch_norm
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, same_layout
 from sbp.placement import placement as Placement
@@ -428,7 +428,7 @@ class DataParallel:
         self._compile_declined = False  # warned that a call runs eagerly
         self.backend: int | None = None  # its last compiled call's, in _COMPILE_BACKENDS
         self.number = next(_NUMBERS)  # what a trace of its call is guarded on
-        # outputs are `sbp.nn.model_output.ModelOutput`s (their losses run on local tensors)
+        # outputs are `sbp.nn.outputs.FastPathOutput`s (their losses run on local tensors)
         # until one is passed to a compiled function
         self.twins = True
 
@@ -742,7 +742,7 @@ class DataParallel:
                 )
             # (only a hookless reducer needs telling; a graph keeps no other alive)
             reducer = None if not grad or self._reducer.hooked else self._reducer
-            wrapped.append(model_output.wrap(t, spec, grad_spec, data_nd, reducer, self))
+            wrapped.append(outputs.wrap(t, spec, grad_spec, data_nd, reducer, self))
         return tree_unflatten(wrapped, tree)
 
 

@@ -3,7 +3,7 @@
 The fast path runs a module on local tensors and wraps each output as a global tensor
 (`ExitLocal`). A loss of that output taken op by op costs a Python dispatch per aten op,
 forward and backward (seven for a cross-entropy), where the same loss of the local output
-is two C++ ops of the local graph. So the fast path returns `ModelOutput`s:
+is two C++ ops of the local graph. So the fast path returns `FastPathOutput`s:
 `F.cross_entropy` and `F.nll_loss` (and `nn.CrossEntropyLoss`, `nn.NLLLoss`) of one, with
 class-index targets laid out as the batch, run on the local tensors and return what the
 op-by-op rule returns (`sbp.ops.nn.nll_loss_forward`): each rank's sum, a partial sum,
@@ -61,10 +61,10 @@ class _Twin(NamedTuple):
     spec: GlobalSpec
     data_nd: tuple  # how the batch is laid out
     reducer: Any  # told when backward starts (None where its hooks tell it)
-    owner: Any  # what made it (its `twins` says whether it still makes ModelOutputs)
+    owner: Any  # what made it (its `twins` says whether it still makes FastPathOutputs)
 
 
-class ModelOutput(GlobalTensor):
+class FastPathOutput(GlobalTensor):
     """A global output of the fast path, until it is used for anything but a loss: then it
     turns into a plain GlobalTensor, so the rest of sbp, and compiled code, which checks
     its inputs' types, only ever see those. Its twin is in the instance dict, so that its
@@ -82,7 +82,7 @@ class ModelOutput(GlobalTensor):
                 if out is not None:
                     return out
             for a in tree_leaves((args, kwargs)):
-                if type(a) is ModelOutput:
+                if type(a) is FastPathOutput:
                     _demote(a)
             return func(*args, **kwargs)
 
@@ -96,7 +96,7 @@ class ModelOutput(GlobalTensor):
         return GlobalTensor.__tensor_flatten__(self)
 
 
-def _demote(x: ModelOutput) -> None:
+def _demote(x: FastPathOutput) -> None:
     x.__class__ = GlobalTensor
     del x.__dict__["_twin"]
 
@@ -110,22 +110,22 @@ def wrap(
     owner: Any,
 ) -> GlobalTensor:
     """The global output of local output `t`, differentiable where `t` requires grad and
-    grad mode is on; a ModelOutput remembering `t` while `owner.twins` holds."""
-    cls = ModelOutput if owner.twins else GlobalTensor
+    grad mode is on; a FastPathOutput remembering `t` while `owner.twins` holds."""
+    cls = FastPathOutput if owner.twins else GlobalTensor
     if torch.is_grad_enabled() and t.requires_grad:
         out = ExitLocal.apply(t, spec, grad_spec, reducer, cls)
         with PLAIN_GETTERS():
             node = out.grad_fn
     else:
         out, node = cls(t, spec), None
-    if cls is ModelOutput:
+    if cls is FastPathOutput:
         out.__dict__["_twin"] = _Twin(t, node, t._version, spec, data_nd, reducer, owner)
     return out
 
 
 def _unchanged_twin(x: Any) -> _Twin | None:
     """`x`'s twin where `x` is still the output the fast path made (under PLAIN_GETTERS)."""
-    twin = x.__dict__["_twin"] if type(x) is ModelOutput else None
+    twin = x.__dict__["_twin"] if type(x) is FastPathOutput else None
     if (
         twin is None
         or x.grad_fn is not twin.node

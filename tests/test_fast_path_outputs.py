@@ -1,4 +1,4 @@
-"""Losses of the data-parallel fast path's outputs on local tensors (sbp.nn.model_output).
+"""Losses of the data-parallel fast path's outputs on local tensors (sbp.nn.outputs).
 
 Every case computes the loss and the parameters' gradients in one process on the logical
 batch (float64) and compares; it also counts the global ops the loss ran op by op, which
@@ -120,7 +120,7 @@ def test_a_loss_of_an_output_runs_on_local_tensors(pool2, world, name, ignored, 
     for loss, grads, ops, kind in (
         pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
     ):
-        assert kind == "ModelOutput"
+        assert kind == "FastPathOutput"
         assert ops == 0  # nothing op by op: the loss ran on the local tensors
         _close(loss, ref_loss)
         for g, r in zip(grads, ref_grads, strict=True):
@@ -182,7 +182,7 @@ def test_an_output_passed_to_a_compiled_function_compiles_it_once():
     ref_loss, _ = _reference(F.cross_entropy, False, False, False, None)
     losses, kinds, graphs = _compiled_losses(3)
     torch._dynamo.reset()
-    assert kinds == ["ModelOutput", "GlobalTensor", "GlobalTensor"]
+    assert kinds == ["FastPathOutput", "GlobalTensor", "GlobalTensor"]
     assert graphs == 1
     for loss in losses:
         _close(loss, ref_loss)
