@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_leaves
 
 from sbp.gradients import PLAIN_GETTERS
 from sbp.layout import GlobalSpec
-from sbp.ops.nn import never_ignored
-from sbp.signature import broadcast, splits_to_partials
+from sbp.ops.nn import NllLayout, never_ignored, nll_layout
+from sbp.signature import broadcast, is_all_broadcast
 from sbp.tensor import GlobalTensor, box
 
 
@@ -44,12 +44,9 @@ class ExitLocal(torch.autograd.Function):
         if ctx.reducer is not None:
             ctx.reducer.backward_started()
         if not isinstance(grad, GlobalTensor):
-            grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=_all_broadcast(ctx.grad_spec)))
+            whole = (broadcast,) * len(ctx.grad_spec.nd_sbp)
+            grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=whole))
         return box(grad._local, grad._spec, ctx.grad_spec), None, None, None, None
-
-
-def _all_broadcast(spec: GlobalSpec) -> tuple:
-    return (broadcast,) * len(spec.nd_sbp)
 
 
 class _Twin(NamedTuple):
@@ -139,54 +136,39 @@ def _unchanged_twin(x: Any) -> _Twin | None:
     return twin
 
 
-class _LossLayout(NamedTuple):
-    """How a loss of an output laid out as the batch is laid out (the op-by-op rule's)."""
-
-    out: GlobalSpec  # reduction "none": split as the batch; else each rank's partial sum
-    grad: GlobalSpec  # how the loss's gradient reaches the local graph
-    total: GlobalSpec  # the mean's divisor, broadcast
-
-
-_layouts: dict = {}  # (x's spec, target's, weight's, reduction, data_nd): _LossLayout or None
+_layouts: dict = {}  # (x's spec, target's, weight's, reduction, data_nd): NllLayout or None
 _counts: dict = {}  # (number, dtype, device): the divisor tensor of a mean over that many
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # (torch's enum, which nll_layout takes)
 
 
-def _loss_layout(x_spec, target, weight, reduction: str, data_nd: tuple) -> _LossLayout | None:
-    """The loss's layout where it can run on local tensors, else None (kept per key: a
-    training loop makes the same call every step)."""
+def _loss_layout(x, target, weight, reduction: str, data_nd: tuple) -> NllLayout | None:
+    """The op-by-op rule's layout of the loss where its inputs are laid out as the rule
+    computes in (nothing to move), so it can run on the local tensors; else None (kept
+    per key: a training loop makes the same call every step)."""
     if type(target) is not GlobalTensor or not (weight is None or type(weight) is GlobalTensor):
         return None
-    key = (x_spec, target._spec, None if weight is None else weight._spec, reduction, data_nd)
+    x_spec, t = x._spec, target._spec
+    w = None if weight is None else weight._spec
+    key = (x_spec, t, w, reduction, data_nd)
     if key in _layouts:
         return _layouts[key]
-    P = x_spec.placement
-    t = target._spec
-    ok = (
-        len(x_spec.shape) == 2
+    layout = None
+    if (
+        reduction in _REDUCTIONS
+        and len(x_spec.shape) == 2
         and x_spec.nd_sbp == data_nd
-        and t.placement == P
-        and t.nd_sbp == data_nd
+        and t.placement == x_spec.placement
         and t.shape == x_spec.shape[:1]
         and not t.dtype.is_floating_point
-        and (weight is None or (weight._spec.placement == P and weight._spec.nd_sbp == _all_b(P)))
-        and reduction in ("mean", "sum", "none")
-    )
-    layout = None
-    if ok:
-        total = GlobalSpec(P, _all_b(P), (), x_spec.dtype)
-        if reduction == "none":
-            out = GlobalSpec(P, data_nd, t.shape, x_spec.dtype)
-            layout = _LossLayout(out, out, total)
-        else:
-            layout = _LossLayout(total._replace(nd_sbp=splits_to_partials(data_nd)), total, total)
+        and (w is None or (w.placement == x_spec.placement and is_all_broadcast(w.nd_sbp)))
+    ):
+        layout = nll_layout(x, target, weight, _REDUCTIONS[reduction])
+        if layout.target != t:
+            layout = None
     if len(_layouts) > 64:
         _layouts.clear()
     _layouts[key] = layout
     return layout
-
-
-def _all_b(P) -> tuple:
-    return (broadcast,) * P.ndim
 
 
 def _loss_of_twin(
@@ -198,7 +180,7 @@ def _loss_of_twin(
     twin = _unchanged_twin(x)
     if twin is None or size_average is not None or reduce is not None:
         return None
-    layout = _loss_layout(twin.spec, target, weight, reduction, twin.data_nd)
+    layout = _loss_layout(x, target, weight, reduction, twin.data_nd)
     if layout is None:
         return None
     weight = None if weight is None else weight._local
@@ -213,11 +195,12 @@ def _loss_of_twin(
     if reduction == "mean":
         local = local / _total_weight(twin.local, target, weight, ignore_index, layout)
     if local.requires_grad:
-        return ExitLocal.apply(local, layout.out, layout.grad, twin.reducer, GlobalTensor)
+        grad_spec = layout.out if reduction == "none" else layout.total  # (split, or whole)
+        return ExitLocal.apply(local, layout.out, grad_spec, twin.reducer, GlobalTensor)
     return GlobalTensor(local, layout.out)
 
 
-def _total_weight(scores, target, weight, ignore_index: int, layout: _LossLayout):
+def _total_weight(scores, target, weight, ignore_index: int, layout: NllLayout):
     """The divisor of the mean, as the op-by-op rule finds it: the logical targets' number
     where none can be ignored (no collective), else their total weight, summed over ranks."""
     if weight is None and never_ignored(target, ignore_index):
@@ -232,7 +215,7 @@ def _total_weight(scores, target, weight, ignore_index: int, layout: _LossLayout
         _, mine = torch.ops.aten.nll_loss_forward(
             scores.detach(), target._local, weight, 2, ignore_index
         )
-    return box(mine, layout.out, layout.total)
+    return box(mine, layout.total_parts, layout.total)
 
 
 def _cross_entropy(

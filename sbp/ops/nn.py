@@ -103,7 +103,7 @@ def _batch_layout(spec: GlobalSpec) -> tuple:
     return tuple(s if s.is_split and s.dim == 0 else B for s in spec.nd_sbp)
 
 
-class _NllLayout(NamedTuple):
+class NllLayout(NamedTuple):
     """How nll_loss_forward lays out one kind of call (a training loop's loss makes the same
     call every step): the specs x, target and weight are computed in, and the results'."""
 
@@ -119,7 +119,7 @@ class _NllLayout(NamedTuple):
 _nll_layouts: dict = {}
 
 
-def _nll_layout(x, target, weight, reduction: int) -> _NllLayout:
+def nll_layout(x, target, weight, reduction: int) -> NllLayout:
     rank = env.get_rank()
     key = (x._spec, target._spec, None if weight is None else weight._spec, reduction, rank)
     layout = _nll_layouts.get(key)
@@ -130,7 +130,7 @@ def _nll_layout(x, target, weight, reduction: int) -> _NllLayout:
     broadcast_nd = (B,) * len(nd)
     parts = splits_to_partials(nd)
     total = GlobalSpec(spec.placement, broadcast_nd, (), spec.dtype)
-    layout = _NllLayout(
+    layout = NllLayout(
         x=spec._replace(nd_sbp=nd),
         target=target._spec._replace(nd_sbp=nd),
         weight=None if weight is None else weight._spec._replace(nd_sbp=broadcast_nd),
@@ -153,7 +153,7 @@ def nll_loss_forward(func, args, kwargs):
     from sbp.tensor import GlobalTensor
 
     x, target, weight, reduction, ignore_index = args
-    layout = _nll_layout(x, target, weight, reduction)
+    layout = nll_layout(x, target, weight, reduction)
     x, target = rebox_to(x, layout.x), rebox_to(target, layout.target)
     weight = None if weight is None else rebox_to(weight, layout.weight)
     if layout.inside:
