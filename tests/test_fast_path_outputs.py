@@ -53,8 +53,9 @@ def _global(t, P):
     return sbp.to_global(t[sbp.local_slices(t.shape, P, (S0,), P.coord(me))], P, S0)
 
 
-def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use):
-    """On each rank: the fast path's output, `use(out)` (or nothing), then the loss; returns
+def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use, target_sbp=S0):
+    """On each rank: the fast path's output, `use(out)` (or nothing), then the loss of it
+    and the targets laid out as `target_sbp`; returns
     the logical loss, the gradients, the ops run op by op in the loss's forward, and the
     output's class when the loss saw it."""
     from sbp.ops import registry
@@ -72,7 +73,8 @@ def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use):
     count = _Count()
     registry.observers.append(count)
     try:
-        loss = loss_fn(out, _global(y, P), **kwargs)
+        target = _global(y, P) if target_sbp == S0 else sbp.to_global(y, P, target_sbp)
+        loss = loss_fn(out, target, **kwargs)
     finally:
         registry.observers.remove(count)
     (loss if loss.dim() == 0 else loss.sum()).backward()
@@ -149,6 +151,20 @@ def test_any_other_use_first_makes_an_output_a_global_tensor(pool2, use):
         _loss_and_grads, F.cross_entropy, 2, False, False, False, USES[use]
     ):
         assert kind == "GlobalTensor"
+        assert ops > 0
+        _close(loss, ref_loss)
+        for g, r in zip(grads, ref_grads, strict=True):
+            _close(g, r)
+
+
+def test_targets_laid_out_otherwise_run_the_loss_op_by_op(pool2):
+    """Targets not split as the batch (here whole on every rank): the local loss declines,
+    the rule moves them, and the result is one process's."""
+    ref_loss, ref_grads = _reference(F.cross_entropy, False, False, False, None)
+    for loss, grads, ops, kind in pool2.run(
+        _loss_and_grads, F.cross_entropy, 2, False, False, False, None, B
+    ):
+        assert kind == "FastPathOutput"
         assert ops > 0
         _close(loss, ref_loss)
         for g, r in zip(grads, ref_grads, strict=True):
