@@ -101,6 +101,18 @@ def _close(a, b):
     assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), (a, b)
 
 
+def _check(results, reference, kind, local):
+    """Every rank's loss and gradients equal one process's; the output had class `kind`
+    when the loss saw it, and the loss ran on the local tensors (`local`) or op by op."""
+    ref_loss, ref_grads = reference
+    for loss, grads, ops, seen in results:
+        assert seen == kind
+        assert ops == 0 if local else ops > 0
+        _close(loss, ref_loss)
+        for g, r in zip(grads, ref_grads, strict=True):
+            _close(g, r)
+
+
 LOSSES = {
     "cross_entropy": (F.cross_entropy, False),
     "cross_entropy_sum": (lambda o, t, **k: F.cross_entropy(o, t, reduction="sum", **k), False),
@@ -116,17 +128,11 @@ LOSSES = {
 @pytest.mark.parametrize("ignored,weighted", [(False, False), (True, False), (True, True)])
 def test_a_loss_of_an_output_runs_on_local_tensors(pool2, world, name, ignored, weighted):
     loss_fn, log_probs = LOSSES[name]
-    ref_loss, ref_grads = _reference(loss_fn, log_probs, ignored, weighted, None)
     args = (loss_fn, world, log_probs, ignored, weighted, None)
     # (a world of one in this process: no launcher variables, no process group)
-    for loss, grads, ops, kind in (
-        pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
-    ):
-        assert kind == "FastPathOutput"
-        assert ops == 0  # nothing op by op: the loss ran on the local tensors
-        _close(loss, ref_loss)
-        for g, r in zip(grads, ref_grads, strict=True):
-            _close(g, r)
+    results = pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
+    reference = _reference(loss_fn, log_probs, ignored, weighted, None)
+    _check(results, reference, "FastPathOutput", local=True)
 
 
 def _in_place(out):
@@ -146,29 +152,17 @@ USES = {"in_place": _in_place, "hook": _hooked, "view": lambda out: out.view(N, 
 def test_any_other_use_first_makes_an_output_a_global_tensor(pool2, use):
     """An output used for anything else before its loss is a plain GlobalTensor from then
     on: its loss runs op by op and sees what the use did."""
-    ref_loss, ref_grads = _reference(F.cross_entropy, False, False, False, USES[use])
-    for loss, grads, ops, kind in pool2.run(
-        _loss_and_grads, F.cross_entropy, 2, False, False, False, USES[use]
-    ):
-        assert kind == "GlobalTensor"
-        assert ops > 0
-        _close(loss, ref_loss)
-        for g, r in zip(grads, ref_grads, strict=True):
-            _close(g, r)
+    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, False, False, False, USES[use])
+    reference = _reference(F.cross_entropy, False, False, False, USES[use])
+    _check(results, reference, "GlobalTensor", local=False)
 
 
 def test_targets_laid_out_otherwise_run_the_loss_op_by_op(pool2):
     """Targets not split as the batch (here whole on every rank): the local loss declines,
     the rule moves them, and the result is one process's."""
-    ref_loss, ref_grads = _reference(F.cross_entropy, False, False, False, None)
-    for loss, grads, ops, kind in pool2.run(
-        _loss_and_grads, F.cross_entropy, 2, False, False, False, None, B
-    ):
-        assert kind == "FastPathOutput"
-        assert ops > 0
-        _close(loss, ref_loss)
-        for g, r in zip(grads, ref_grads, strict=True):
-            _close(g, r)
+    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, False, False, False, None, B)
+    reference = _reference(F.cross_entropy, False, False, False, None)
+    _check(results, reference, "FastPathOutput", local=False)
 
 
 def _compiled_losses(steps):
