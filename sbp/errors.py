@@ -27,3 +27,7 @@ class CommTimeoutError(SbpError, RuntimeError):
 
 class InputTypeError(SbpError, TypeError):
     """An argument of a type sbp cannot place: `to_global` on a numpy array, a number, a string."""
+
+
+class LabelRangeError(SbpError, IndexError):
+    """A loss's class label outside [0, classes) that is not its `ignore_index`."""

@@ -275,6 +275,72 @@ def test_module_to_global_validates_before_converting(pool):
         assert converted == [False] * 4
 
 
+def _labelled_batch(world, label, first):
+    """A model and a batch of 2 per rank: the last rank holds `label`, rank 0 `first`."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 5).double()
+    x = torch.randn(2 * world, 3, dtype=torch.float64)
+    y = torch.arange(2 * world) % 5
+    y[0], y[-1] = first, label
+    return model, x, y
+
+
+def _loss_with_label(rank, world, label, first, ignore_index, fast):
+    """Cross-entropy of `_labelled_batch` on global tensors: the loss and weight gradient."""
+    import torch.nn.functional as F
+
+    import sbp.nn
+
+    P = _all(world)
+    model, x, y = _labelled_batch(world, label, first)
+    model.to_global(P, sbp.broadcast)
+    if fast:
+        sbp.nn.data_parallel(model)
+    gx, gy = (sbp.to_global(t[2 * rank : 2 * rank + 2], P, sbp.split(0)) for t in (x, y))
+    loss = F.cross_entropy(model(gx), gy, ignore_index=ignore_index)
+    loss.backward()
+    return loss.item(), model.weight.grad.full_tensor()
+
+
+_PATHS = pytest.mark.parametrize("fast", [False, True], ids=["op by op", "fast path"])
+
+
+@_PATHS
+@pytest.mark.parametrize(
+    "label, first", [(5, -100), (7, -100), (-1, 0)], ids=["C", "above C", "negative"]
+)
+def test_label_out_of_range_on_one_rank_raises_on_every_rank(pool, fast, label, first):
+    """torch's kernel raises on the rank holding the label alone (the others would wait for
+    it in backward's all-reduce); the range `to_global` learnt tells every rank. (A bad label
+    between `ignore_index` and the classes, -1 beside an ignored -100, hides in the range:
+    it is left to the kernel.)"""
+    _expect_values(pool, _loss_with_label, 1, first, -100, fast)  # warm: time the error alone
+    _expect_error(
+        pool,
+        _loss_with_label,
+        sbp.LabelRangeError,
+        label,
+        first,
+        -100,
+        fast,
+        match=f"label {label}, outside [0, 5)",
+    )
+
+
+@_PATHS
+@pytest.mark.parametrize("ignore_index", [5, -1], ids=["at C", "negative"])
+def test_ignore_index_outside_the_classes_is_not_an_error(pool, fast, ignore_index):
+    """A label equal to `ignore_index` is ignored wherever it lies: equal to one process."""
+    import torch.nn.functional as F
+
+    model, x, y = _labelled_batch(pool.world_size, ignore_index, 0)
+    want = F.cross_entropy(model(x), y, ignore_index=ignore_index)
+    want.backward()
+    for loss, grad in _expect_values(pool, _loss_with_label, ignore_index, 0, ignore_index, fast):
+        assert loss == pytest.approx(want.item(), rel=1e-12)
+        torch.testing.assert_close(grad, model.weight.grad, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------- resources
 
 

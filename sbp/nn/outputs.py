@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from sbp.gradients import PLAIN_GETTERS
 from sbp.layout import GlobalSpec
-from sbp.ops.nn import NllLayout, never_ignored, nll_layout
+from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
 from sbp.signature import broadcast, is_all_broadcast
 from sbp.tensor import GlobalTensor, box
 
@@ -183,6 +183,7 @@ def _loss_of_twin(
     layout = _loss_layout(x, target, weight, reduction, twin.data_nd)
     if layout is None:
         return None
+    check_labels(target, x._spec.shape[1], ignore_index)
     weight = None if weight is None else weight._local
     local = loss(
         twin.local,

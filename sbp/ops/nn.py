@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from sbp import env
+from sbp.errors import LabelRangeError
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
     Call,
@@ -154,6 +155,8 @@ def nll_loss_forward(func, args, kwargs):
 
     x, target, weight, reduction, ignore_index = args
     layout = nll_layout(x, target, weight, reduction)
+    shape = x._spec.shape
+    check_labels(target, shape[1] if len(shape) > 1 else shape[0], ignore_index)
     x, target = rebox_to(x, layout.x), rebox_to(target, layout.target)
     weight = None if weight is None else rebox_to(weight, layout.weight)
     if layout.inside:
@@ -177,6 +180,27 @@ def nll_loss_forward(func, args, kwargs):
     if reduction == 2:
         return GlobalTensor(out, layout.out), total
     return GlobalTensor(out / total._local if layout.inside else out, layout.out), total
+
+
+def check_labels(target, classes: int, ignore_index: int) -> None:
+    """A label outside [0, classes) fails torch's kernel on the rank that holds it alone, and
+    the other ranks would wait for it in the next collective until the timeout. Where
+    `to_global` learnt the logical labels' range, every rank knows it alike and raises here.
+
+    A bound equal to `ignore_index` hides what lies between it and the valid labels; only
+    the other bound is checked then. Unknown ranges (GPU labels, labels computed by ops)
+    are left to the kernel."""
+    from sbp.tensor import known_range
+
+    bounds = known_range(target)
+    if bounds is None:
+        return
+    bad = [b for b in bounds if b != ignore_index and not 0 <= b < classes]
+    if bad:
+        raise LabelRangeError(
+            f"target holds label {bad[0]}, outside [0, {classes}) for an input of "
+            f"{classes} classes (ignore_index={ignore_index})"
+        )
 
 
 def never_ignored(target, ignore_index: int) -> bool:
