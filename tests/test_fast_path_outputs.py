@@ -148,6 +148,22 @@ def _hooked(out):
 USES = {"in_place": _in_place, "hook": _hooked, "view": lambda out: out.view(N, CLASSES)}
 
 
+def _metadata_read(out):
+    assert out.shape == out.size() == (N, CLASSES) and out.size(1) == CLASSES
+    assert (out.dim(), out.ndim, len(out), out.numel()) == (2, 2, N, N * CLASSES)
+    assert out.dtype == torch.float64 and out.is_floating_point() and out.requires_grad
+    assert out.device.type == "cpu" and not out.is_cuda
+    return out
+
+
+def test_reading_the_shape_keeps_an_output_whose_loss_runs_locally(pool2):
+    """Shape, dtype and device reads (the logical ones) change nothing: the output stays a
+    FastPathOutput and its loss runs on the local tensors."""
+    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, False, False, False, _metadata_read)
+    reference = _reference(F.cross_entropy, False, False, False, _metadata_read)
+    _check(results, reference, "FastPathOutput", local=True)
+
+
 @pytest.mark.parametrize("use", sorted(USES))
 def test_any_other_use_first_makes_an_output_a_global_tensor(pool2, use):
     """An output used for anything else before its loss is a plain GlobalTensor from then

@@ -9,8 +9,8 @@ class-index targets laid out as the batch, run on the local tensors and return w
 op-by-op rule returns (`sbp.ops.nn.nll_loss_forward`): each rank's sum, a partial sum,
 divided by the logical batch's total weight.
 
-Any other use of an output (a torch function or method, an attribute read through torch)
-first turns it into a plain GlobalTensor, so everything after runs op by op as before, and
+Any other use of an output (a torch function or method, an attribute read through torch,
+but for a read of its shape, dtype or device) first turns it into a plain GlobalTensor, so everything after runs op by op as before, and
 no other code of sbp meets the class. A loss of an output changed under it (its local
 tensor written, a hook) runs op by op too.
 """
@@ -73,6 +73,8 @@ class FastPathOutput(GlobalTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with PLAIN_GETTERS():
+            if func in _METADATA:  # (its logical shape, dtype...: nothing changes)
+                return func(*args, **kwargs)
             local_loss = _LOCAL_LOSSES.get(func)
             if local_loss is not None:
                 out = local_loss(*args, **kwargs)
@@ -91,6 +93,22 @@ class FastPathOutput(GlobalTensor):
         self.__dict__["_twin"].owner.twins = False
         _demote(self)
         return GlobalTensor.__tensor_flatten__(self)
+
+
+# Reads of an output's metadata, which change nothing and reach no data: it stays one.
+_METADATA = frozenset(
+    [
+        *(
+            getattr(torch.Tensor, name).__get__
+            for name in ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda")
+        ),
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.__len__,
+        torch.Tensor.is_floating_point,
+    ]
+)
 
 
 def _demote(x: FastPathOutput) -> None:
