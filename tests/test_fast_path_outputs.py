@@ -13,18 +13,23 @@ import sbp
 
 S0, B = sbp.split(0), sbp.broadcast
 N, CLASSES = 7, 5  # uneven on two ranks
+POSITIONS = 3  # of the "positions" output: scores (N, CLASSES, POSITIONS), a K-dim loss
 
 
 class Net(torch.nn.Module):
-    def __init__(self, log_probs=False):
+    """Class scores (N, C), log-probabilities, or scores per position (N, C, POSITIONS)."""
+
+    def __init__(self, output="scores"):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh())
-        self.head = torch.nn.Linear(8, CLASSES)
-        self.log_probs = log_probs
+        self.head = torch.nn.Linear(8, CLASSES * (POSITIONS if output == "positions" else 1))
+        self.output = output
 
     def forward(self, x):
         out = self.head(self.body(x))
-        return F.log_softmax(out, dim=1) if self.log_probs else out
+        if self.output == "positions":
+            return out.view(len(x), CLASSES, POSITIONS)
+        return F.log_softmax(out, dim=1) if self.output == "log_probs" else out
 
 
 class _Count:
@@ -39,10 +44,10 @@ class _Count:
     strategy = custom = direct
 
 
-def _data(ignored=False):
+def _data(ignored=False, output="scores"):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(N, 6, dtype=torch.float64, generator=g)
-    y = torch.randint(0, CLASSES, (N,), generator=g)
+    y = torch.randint(0, CLASSES, (N, POSITIONS) if output == "positions" else (N,), generator=g)
     if ignored:
         y[5] = -100  # on the second of two ranks
     return x, y
@@ -53,7 +58,7 @@ def _global(t, P):
     return sbp.to_global(t[sbp.local_slices(t.shape, P, (S0,), P.coord(me))], P, S0)
 
 
-def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use, target_sbp=S0):
+def _loss_and_grads(loss_fn, world, output, ignored, weighted, use, target_sbp=S0):
     """On each rank: the fast path's output, `use(out)` (or nothing), then the loss of it
     and the targets laid out as `target_sbp`; returns
     the logical loss, the gradients, the ops run op by op in the loss's forward, and the
@@ -61,9 +66,9 @@ def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use, target_sb
     from sbp.ops import registry
 
     P = sbp.placement("cpu", list(range(world)))
-    x, y = _data(ignored)
+    x, y = _data(ignored, output)
     torch.manual_seed(0)
-    model = Net(log_probs).double().to_global(P, B)
+    model = Net(output).double().to_global(P, B)
     weight = torch.linspace(0.5, 2.0, CLASSES, dtype=torch.float64)
     kwargs = {"weight": sbp.to_global(weight, P, B)} if weighted else {}
     out = model(_global(x, P))
@@ -82,10 +87,10 @@ def _loss_and_grads(loss_fn, world, log_probs, ignored, weighted, use, target_sb
     return loss.full_tensor(), grads, count.ops, kind
 
 
-def _reference(loss_fn, log_probs, ignored, weighted, use):
-    x, y = _data(ignored)
+def _reference(loss_fn, output, ignored, weighted, use):
+    x, y = _data(ignored, output)
     torch.manual_seed(0)
-    model = Net(log_probs).double()
+    model = Net(output).double()
     weight = torch.linspace(0.5, 2.0, CLASSES, dtype=torch.float64)
     kwargs = {"weight": weight} if weighted else {}
     out = model(x)
@@ -114,12 +119,23 @@ def _check(results, reference, kind, local):
 
 
 LOSSES = {
-    "cross_entropy": (F.cross_entropy, False),
-    "cross_entropy_sum": (lambda o, t, **k: F.cross_entropy(o, t, reduction="sum", **k), False),
-    "cross_entropy_none": (lambda o, t, **k: F.cross_entropy(o, t, reduction="none", **k), False),
-    "label_smoothing": (lambda o, t, **k: F.cross_entropy(o, t, label_smoothing=0.1, **k), False),
-    "module": (lambda o, t, **k: torch.nn.CrossEntropyLoss(**k)(o, t), False),
-    "nll_loss": (F.nll_loss, True),
+    "cross_entropy": (F.cross_entropy, "scores"),
+    "cross_entropy_sum": (lambda o, t, **k: F.cross_entropy(o, t, reduction="sum", **k), "scores"),
+    "cross_entropy_none": (
+        lambda o, t, **k: F.cross_entropy(o, t, reduction="none", **k),
+        "scores",
+    ),
+    "label_smoothing": (
+        lambda o, t, **k: F.cross_entropy(o, t, label_smoothing=0.1, **k),
+        "scores",
+    ),
+    "module": (lambda o, t, **k: torch.nn.CrossEntropyLoss(**k)(o, t), "scores"),
+    "nll_loss": (F.nll_loss, "log_probs"),
+    "positions": (F.cross_entropy, "positions"),  # K-dim: (N, C, d) scores, (N, d) targets
+    "positions_none": (
+        lambda o, t, **k: F.cross_entropy(o, t, reduction="none", label_smoothing=0.1, **k),
+        "positions",
+    ),
 }
 
 
@@ -127,11 +143,11 @@ LOSSES = {
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("ignored,weighted", [(False, False), (True, False), (True, True)])
 def test_a_loss_of_an_output_runs_on_local_tensors(pool2, world, name, ignored, weighted):
-    loss_fn, log_probs = LOSSES[name]
-    args = (loss_fn, world, log_probs, ignored, weighted, None)
+    loss_fn, output = LOSSES[name]
+    args = (loss_fn, world, output, ignored, weighted, None)
     # (a world of one in this process: no launcher variables, no process group)
     results = pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
-    reference = _reference(loss_fn, log_probs, ignored, weighted, None)
+    reference = _reference(loss_fn, output, ignored, weighted, None)
     _check(results, reference, "FastPathOutput", local=True)
 
 
@@ -159,8 +175,8 @@ def _metadata_read(out):
 def test_reading_the_shape_keeps_an_output_whose_loss_runs_locally(pool2):
     """Shape, dtype and device reads (the logical ones) change nothing: the output stays a
     FastPathOutput and its loss runs on the local tensors."""
-    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, False, False, False, _metadata_read)
-    reference = _reference(F.cross_entropy, False, False, False, _metadata_read)
+    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, "scores", False, False, _metadata_read)
+    reference = _reference(F.cross_entropy, "scores", False, False, _metadata_read)
     _check(results, reference, "FastPathOutput", local=True)
 
 
@@ -168,16 +184,16 @@ def test_reading_the_shape_keeps_an_output_whose_loss_runs_locally(pool2):
 def test_any_other_use_first_makes_an_output_a_global_tensor(pool2, use):
     """An output used for anything else before its loss is a plain GlobalTensor from then
     on: its loss runs op by op and sees what the use did."""
-    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, False, False, False, USES[use])
-    reference = _reference(F.cross_entropy, False, False, False, USES[use])
+    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, "scores", False, False, USES[use])
+    reference = _reference(F.cross_entropy, "scores", False, False, USES[use])
     _check(results, reference, "GlobalTensor", local=False)
 
 
 def test_targets_laid_out_otherwise_run_the_loss_op_by_op(pool2):
     """Targets not split as the batch (here whole on every rank): the local loss declines,
     the rule moves them, and the result is one process's."""
-    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, False, False, False, None, B)
-    reference = _reference(F.cross_entropy, False, False, False, None)
+    results = pool2.run(_loss_and_grads, F.cross_entropy, 2, "scores", False, False, None, B)
+    reference = _reference(F.cross_entropy, "scores", False, False, None)
     _check(results, reference, "FastPathOutput", local=False)
 
 
@@ -205,7 +221,7 @@ def test_an_output_passed_to_a_compiled_function_compiles_it_once():
     """Compiled code checks its inputs' types before sbp's code runs: the first output it
     gets becomes a GlobalTensor as it is traced, and the model returns GlobalTensors from
     then on, so the function is compiled once."""
-    ref_loss, _ = _reference(F.cross_entropy, False, False, False, None)
+    ref_loss, _ = _reference(F.cross_entropy, "scores", False, False, None)
     losses, kinds, graphs = _compiled_losses(3)
     torch._dynamo.reset()
     assert kinds == ["FastPathOutput", "GlobalTensor", "GlobalTensor"]

@@ -176,6 +176,16 @@ ROWS = {
         ),
         [(S0, S0), (B, B)],
     ),
+    "cross_entropy_kdim": Row(  # (N, C, d1, d2) and (N, C, d): torch's nll_loss2d
+        [(5, 3, 2, 3), ("int", (5, 2, 3), 3)],
+        lambda x, t: (
+            F.cross_entropy(x, t),
+            F.cross_entropy(x, t, reduction="none"),
+            F.cross_entropy(x.flatten(2), t.flatten(1), ignore_index=1, label_smoothing=0.1),
+        ),
+        [(S0, S0), (S0, B), (B, S0), (S2, S1), (P, S0)],
+        two_d=[((S0, S0), (S0, S0)), ((S0, S2), (S0, S1))],
+    ),
     "nll_none": Row(
         [(7, 5), ("int", (7,), 5)],
         lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, reduction="none"),
@@ -418,6 +428,33 @@ def test_op_without_rule_falls_back_to_broadcast_and_warns(pool4):
         if rank < 3:
             assert any("no SBP rule for aten.cumsum" in m for m in warned) or kinds
             assert any(k.startswith("aten.cumsum") for k in kinds)
+
+
+def _segmentation_loss():
+    """Cross-entropy of (N, C, H, W) scores split along the batch: its value and gradient,
+    and what it communicated."""
+    P_ = sbp.placement("cpu", [0, 1, 2, 3])
+    x, t = _inputs(Row([(6, 4, 3, 3), ("int", (6, 3, 3), 4)], None, []), 3)
+    t[1, 0, 0] = -100  # an ignored pixel: the divisor is all-reduced
+    gx = sbp.tensor(x, P_, (S0,)).requires_grad_()
+    with sbp.comm_stats() as st:
+        loss = F.cross_entropy(gx, sbp.tensor(t, P_, (S0,)))
+        loss.backward()
+    x.requires_grad_()
+    want = F.cross_entropy(x, t)
+    want.backward()
+    value_error = (loss.full_tensor() - want).abs().item()
+    grad_error = (gx.grad.full_tensor() - x.grad).abs().max().item()
+    return value_error, grad_error, dict(st.fallbacks), dict(st.by_kind), gx.grad.sbp
+
+
+def test_segmentation_loss_keeps_the_batch_split(pool4):
+    """torch's nll_loss2d (K-dim cross-entropy) has the 2-D loss's rule: the scores are
+    not gathered, only the divisor is all-reduced, and the gradient stays split."""
+    for value_error, grad_error, fallbacks, kinds, grad_sbp in pool4.run(_segmentation_loss):
+        assert value_error < 1e-12 and grad_error < 1e-12
+        assert fallbacks == {} and kinds == {"all_reduce": 1}
+        assert grad_sbp == (S0,)
 
 
 WORLD2_CASES = [(name, tuple((s,) for s in row.sbps[0]), [1, 0]) for name, row in ROWS.items()]

@@ -17,6 +17,7 @@ tensor written, a hook) runs op by op too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -173,10 +174,10 @@ def _loss_layout(x, target, weight, reduction: str, data_nd: tuple) -> NllLayout
     layout = None
     if (
         reduction in _REDUCTIONS
-        and len(x_spec.shape) == 2
+        and len(x_spec.shape) >= 2  # (N, C) or (N, C, d1, ...)
         and x_spec.nd_sbp == data_nd
         and t.placement == x_spec.placement
-        and t.shape == x_spec.shape[:1]
+        and t.shape == x_spec.shape[:1] + x_spec.shape[2:]
         and not t.dtype.is_floating_point
         and (w is None or (w.placement == x_spec.placement and is_all_broadcast(w.nd_sbp)))
     ):
@@ -193,7 +194,7 @@ def _loss_of_twin(
     loss, x, target, weight, size_average, reduce, reduction: str, ignore_index: int, **options
 ) -> GlobalTensor | None:
     """`loss` (F.cross_entropy or F.nll_loss) of output `x` on the local tensors, or None
-    where it runs op by op: x not a class-score matrix laid out as the batch, a target or
+    where it runs op by op: x not class scores (N, C, ...) laid out as the batch, a target or
     weight laid out otherwise, or the deprecated `size_average` / `reduce`."""
     twin = _unchanged_twin(x)
     if twin is None or size_average is not None or reduce is not None:
@@ -223,17 +224,20 @@ def _total_weight(scores, target, weight, ignore_index: int, layout: NllLayout):
     """The divisor of the mean, as the op-by-op rule finds it: the logical targets' number
     where none can be ignored (no collective), else their total weight, summed over ranks."""
     if weight is None and never_ignored(target, ignore_index):
-        key = (target.shape[0], layout.total.dtype, scores.device)
+        key = (math.prod(target._spec.shape), layout.total.dtype, scores.device)
         count = _counts.get(key)
         if count is None:
             if len(_counts) > 64:
                 _counts.clear()
             count = _counts[key] = torch.full((), key[0], dtype=key[1], device=key[2])
         return count
-    with torch.no_grad():
-        _, mine = torch.ops.aten.nll_loss_forward(
-            scores.detach(), target._local, weight, 2, ignore_index
-        )
+    labels = target._local
+    with torch.no_grad():  # (as torch's: no gradient flows through the divisor)
+        counted = labels != ignore_index
+        if weight is None:
+            mine = counted.sum(dtype=scores.dtype)
+        else:  # each counted label's class weight
+            mine = weight[labels.where(counted, 0)].where(counted, 0).sum()
     return box(mine, layout.total_parts, layout.total)
 
 

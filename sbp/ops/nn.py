@@ -127,7 +127,8 @@ def nll_layout(x, target, weight, reduction: int) -> NllLayout:
     if layout is not None:
         return layout
     spec = x._spec
-    nd = _batch_layout(spec) if len(spec.shape) == 2 else tuple(B for _ in spec.nd_sbp)
+    # (N, C) or (N, C, d1, ...): the batch may stay split; a single sample (C,) is whole
+    nd = _batch_layout(spec) if len(spec.shape) >= 2 else tuple(B for _ in spec.nd_sbp)
     broadcast_nd = (B,) * len(nd)
     parts = splits_to_partials(nd)
     total = GlobalSpec(spec.placement, broadcast_nd, (), spec.dtype)
@@ -148,9 +149,11 @@ def nll_layout(x, target, weight, reduction: int) -> NllLayout:
     return layout
 
 
-@register(aten.nll_loss_forward.default)
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_loss_forward(func, args, kwargs):
-    """Mean over the logical batch: local sums divided by the all-reduced total weight."""
+    """Mean over the logical batch: local sums divided by the all-reduced total weight.
+    (`nll_loss2d` is the same loss for (N, C, H, W) scores, and for any K-dim ones, which
+    torch reshapes to 4-D.)"""
     from sbp.tensor import GlobalTensor
 
     x, target, weight, reduction, ignore_index = args
@@ -211,7 +214,7 @@ def never_ignored(target, ignore_index: int) -> bool:
     return bounds is not None and not bounds[0] <= ignore_index <= bounds[1]
 
 
-@register_strategy(aten.nll_loss_backward)
+@register_strategy(aten.nll_loss_backward, aten.nll_loss2d_backward)
 def nll_loss_backward(call: Call) -> list[Strategy]:
     S0 = split(0)
     reduction = call.arg(4, "reduction")
