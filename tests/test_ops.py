@@ -186,6 +186,44 @@ ROWS = {
         [(S0, S0), (S0, B), (B, S0), (S2, S1), (P, S0)],
         two_d=[((S0, S0), (S0, S0)), ((S0, S2), (S0, S1))],
     ),
+    "elementwise_losses": Row(  # torch's decompositions, through the rules
+        [(7, 5), (7, 5)],
+        lambda x, t: (
+            F.mse_loss(x, t),
+            F.smooth_l1_loss(x, t, reduction="sum"),
+            F.huber_loss(x, t, reduction="none", delta=0.5),
+            F.binary_cross_entropy_with_logits(x, t.sigmoid()),
+            F.binary_cross_entropy(x.sigmoid(), t.sigmoid(), reduction="sum"),
+            F.soft_margin_loss(x, t.detach()),  # (no gradient for its target)
+            F.l1_loss(x, t),
+        ),
+        [(S0, S0), (S1, S1), (S0, B), (B, S1), (P, S0)],
+        two_d=[((S0, S1), (S0, S1))],
+    ),
+    "activations_backward": Row(  # torch's pointwise tag, and untagged backward ops
+        [(7, 5)],
+        lambda x: (
+            F.elu(x),
+            F.softplus(x, beta=2.0),
+            F.hardsigmoid(x),
+            F.softshrink(x, 0.3),
+            F.hardshrink(x, 0.3),
+            F.logsigmoid(x),
+            torch.xlogy(x.abs(), x.abs() + 1),
+            x.expm1(),
+        ),
+        [(S0,), (S1,), (P,)],
+    ),
+    "group_norm": Row(
+        [(5, 4, 3), (4,), (4,)],
+        lambda x, w, b: F.group_norm(x, 2, w, b),
+        [(S0, B, B), (B, B, B), (S1, B, B), (S2, B, B)],
+        two_d=[((S0, S0), (B, B), (B, B))],
+    ),
+    "glu": Row([(6, 4)], lambda x: (F.glu(x), F.glu(x, 0)), [(S0,), (S1,), (B,)]),
+    "pairwise_distance": Row(
+        [(7, 5), (7, 5)], lambda x, t: F.pairwise_distance(x, t), [(S0, S0), (S1, S1)]
+    ),
     "nll_none": Row(
         [(7, 5), ("int", (7,), 5)],
         lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, reduction="none"),
@@ -455,6 +493,48 @@ def test_segmentation_loss_keeps_the_batch_split(pool4):
         assert value_error < 1e-12 and grad_error < 1e-12
         assert fallbacks == {} and kinds == {"all_reduce": 1}
         assert grad_sbp == (S0,)
+
+
+BATCH_OPS = {  # ops on a batch split along dim 0 that must stay local (no fallback, no gather)
+    "mse_loss": lambda x, t: F.mse_loss(x, t),
+    "smooth_l1_loss": lambda x, t: F.smooth_l1_loss(x, t),
+    "huber_loss": lambda x, t: F.huber_loss(x, t),
+    "l1_loss": lambda x, t: F.l1_loss(x, t),
+    "bce": lambda x, t: F.binary_cross_entropy(x.sigmoid(), t.sigmoid()),
+    "bce_with_logits": lambda x, t: F.binary_cross_entropy_with_logits(x, t.sigmoid()),
+    "soft_margin_loss": lambda x, t: F.soft_margin_loss(x, t.sign()),
+    "kl_div": lambda x, t: F.kl_div(F.log_softmax(x, 1), F.softmax(t, 1), reduction="batchmean"),
+    "elu": lambda x, t: F.elu(x).sum(),
+    "softplus": lambda x, t: F.softplus(x).sum(),
+    "hardsigmoid": lambda x, t: F.hardsigmoid(x).sum(),
+    "logsigmoid": lambda x, t: F.logsigmoid(x).sum(),
+    "group_norm": lambda x, t: F.group_norm(x.view(8, 2, 3), 2).sum(),
+    "pairwise_distance": lambda x, t: F.pairwise_distance(x, t).sum(),
+    "glu": lambda x, t: F.glu(x).sum(),
+}
+
+
+def _batch_op(name):
+    P_ = sbp.placement("cpu", [0, 1])
+    x, t = _inputs(Row([(8, 6), (8, 6)], None, []), 5)
+    gx = sbp.tensor(x, P_, (S0,)).requires_grad_()
+    with sbp.comm_stats() as st:
+        out = BATCH_OPS[name](gx, sbp.tensor(t, P_, (S0,)))
+        out.backward()
+    x.requires_grad_()
+    want = BATCH_OPS[name](x, t)
+    want.backward()
+    close = torch.allclose(out.full_tensor(), want, rtol=1e-12, atol=1e-14)
+    return close, torch.allclose(gx.grad.full_tensor(), x.grad, rtol=1e-12, atol=1e-14), st
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_OPS))
+def test_losses_and_activations_keep_a_batch_split(pool2, name):
+    """Losses and activations with no aten rule of their own (torch's decompositions and
+    pointwise tag) compute on the local shards: equal to one process, nothing gathered."""
+    for value_close, grad_close, stats in pool2.run(_batch_op, name):
+        assert value_close and grad_close
+        assert not stats.fallbacks and "all_gather" not in stats.by_kind, stats
 
 
 WORLD2_CASES = [(name, tuple((s,) for s in row.sbps[0]), [1, 0]) for name, row in ROWS.items()]

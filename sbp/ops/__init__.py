@@ -10,6 +10,7 @@ from sbp.ops import (  # noqa: F401 - register rules
     basic,
     batch_norm,
     conversions,
+    decomposed,
     init,
     linalg,
     nn,

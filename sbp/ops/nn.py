@@ -80,9 +80,9 @@ def convolution_backward(call: Call) -> list[Strategy]:
 # ---------------------------------------------------------------- softmax and losses
 
 
-def _except_dim(call: Call, dim_pos: int, n_in: int) -> list[Strategy]:
+def _except_dim(call: Call, dim_pos: int, n_in: int, default: int | None = None) -> list[Strategy]:
     ndim = len(call.specs[0].shape)
-    dim = call.arg(dim_pos, "dim")
+    dim = call.arg(dim_pos, "dim", default)
     dim = dim + ndim if dim < 0 else dim
     cands = [Strategy((B,) * n_in, (B,))]
     cands += [Strategy((split(d),) * n_in, (split(d),)) for d in range(ndim) if d != dim]
@@ -97,6 +97,66 @@ def softmax(call: Call) -> list[Strategy]:
 @register_strategy(aten._log_softmax_backward_data, aten._softmax_backward_data)
 def softmax_backward(call: Call) -> list[Strategy]:
     return _except_dim(call, 2, 2)
+
+
+@register_strategy(aten.glu)
+def glu(call: Call) -> list[Strategy]:
+    """Halves along `dim`: any other split stays local."""
+    return _except_dim(call, 1, 1, default=-1)
+
+
+@register_strategy(aten.glu_backward)
+def glu_backward(call: Call) -> list[Strategy]:
+    return _except_dim(call, 2, 2)
+
+
+@register(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward(func, args, kwargs):
+    """F.logsigmoid: elementwise, in any layout but partial. Its second output is a buffer
+    for the backward, elementwise on the CPU but empty on CUDA (shape (0,)): whole there."""
+    from sbp.tensor import GlobalTensor
+
+    x = without_partials(args[0])
+    out, buffer = func._op(x._local)
+    if buffer.shape == x._local.shape:
+        buffer_spec = x._spec._replace(dtype=buffer.dtype)
+    else:
+        whole = tuple(B for _ in x._spec.nd_sbp)
+        buffer_spec = GlobalSpec(x._spec.placement, whole, tuple(buffer.shape), buffer.dtype)
+    return GlobalTensor(out, x._spec), GlobalTensor(buffer, buffer_spec)
+
+
+def _local_batch(batch_arg: int, input_arg: int):
+    """local_args of GroupNorm: the batch size argument is the local input's."""
+
+    def local_args(func, args, kwargs, rank, in_specs, out_specs):
+        args = list(args)
+        args[batch_arg] = args[input_arg].shape[0]
+        return tuple(args), kwargs
+
+    return local_args
+
+
+@register_strategy(aten.native_group_norm, local_args=_local_batch(3, 0))
+def group_norm(call: Call) -> list[Strategy]:
+    """Statistics per sample and group: a split batch stays split (so do mean and rstd)."""
+    n = len(call.specs)
+    return [
+        Strategy((B,) * n, (B, B, B)),
+        Strategy((split(0),) + (B,) * (n - 1), (split(0),) * 3),
+    ]
+
+
+@register_strategy(aten.native_group_norm_backward, local_args=_local_batch(5, 1))
+def group_norm_backward(call: Call) -> list[Strategy]:
+    """The input's gradient split as the batch; weight and bias gradients partial sums."""
+    n = len(call.specs)  # grad_out, input, mean, rstd (split), weight (broadcast) if any
+    kinds = [(split(0), P, P)[i] for i, m in enumerate(call.out_meta) if m is not None]
+    whole = tuple(B for m in call.out_meta if m is not None)
+    return [
+        Strategy((B,) * n, whole),
+        Strategy((split(0),) * 4 + (B,) * (n - 4), tuple(kinds)),
+    ]
 
 
 def _batch_layout(spec: GlobalSpec) -> tuple:

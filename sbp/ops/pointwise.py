@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sbp.ops.registry import Call, Strategy, register_strategy
+from sbp.ops.registry import Call, Strategy, register_strategy, register_when
 from sbp.signature import broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -72,6 +72,12 @@ NONLINEAR = [
     aten.tanh_backward,
     aten.silu_backward,
     aten.hardswish_backward,
+    aten.log_sigmoid_backward,  # (its buffer: elementwise, or empty and whole on CUDA)
+    aten.elu_backward,
+    aten.softplus_backward,
+    aten.hardsigmoid_backward,
+    aten.softshrink_backward,
+    aten.hardshrink_backward,
     aten.where,
     aten.lerp,
     aten.lerp_,
@@ -134,7 +140,24 @@ PRODUCTS = [aten.mul.Tensor, aten.mul_.Tensor]
 QUOTIENTS = [aten.div.Tensor, aten.div_.Tensor, aten.div.Tensor_mode]
 
 
+def _tagged_pointwise(func) -> bool:
+    """torch tags its elementwise ops (sgn, xlogy, expm1, the activations' backward...).
+    Not random ones (sbp.random's rules decide their draws), nor those returning anything
+    but tensors of the broadcast shape (`equal`'s bool), nor `out=` variants."""
+    tags = getattr(func, "tags", ())
+    schema = func._schema
+    returns = [str(r.type) for r in schema.returns]
+    return (
+        torch.Tag.pointwise in tags
+        and torch.Tag.nondeterministic_seeded not in tags
+        and bool(returns)
+        and all(r == "Tensor" for r in returns)
+        and not any(a.is_out for a in schema.arguments)
+    )
+
+
 @register_strategy(*NONLINEAR)
+@register_when(_tagged_pointwise, strategy=True)
 def nonlinear(call: Call) -> list[Strategy]:
     return split_candidates(call)
 

@@ -149,6 +149,14 @@ def vector_norm(func, args, kwargs):
     return _finish(out, 1.0 / ord_)
 
 
+@register(aten.norm.ScalarOpt_dim)
+def norm_over_dims(func, args, kwargs):
+    """`torch.norm(x, p, dim)`'s overload (F.pairwise_distance's): the vector norm."""
+    x, p, dim = args[:3]
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    return aten.linalg_vector_norm.default(x, 2 if p is None else p, dim, keepdim)
+
+
 def _finish(out, root):
     out = without_partials(out)
     return out if root is None else out.pow(root)

@@ -107,6 +107,23 @@ def register_strategy(*ops: Any, local_args: Callable | None = None, post: Calla
     return deco
 
 
+# (predicate, rule): ops with no rule of their own for which predicate(op) holds take rule
+# (torch's pointwise tag, say), in the order registered
+_rules_when: list[tuple[Callable[[Any], bool], Any]] = []
+
+
+def register_when(predicate: Callable[[Any], bool], strategy: bool = False):
+    """Decorator for a rule, `fn(func, args, kwargs)` (or with `strategy`, a candidates
+    function): ops with no rule of their own for which `predicate(op)` holds run by it (a
+    class of ops torch tags, where a list would miss some)."""
+
+    def deco(fn):
+        _rules_when.append((predicate, StrategyRule(fn) if strategy else fn))
+        return fn
+
+    return deco
+
+
 _PLAIN = ("plain",)  # the tree of positional-only calls with no list arguments
 
 
@@ -296,6 +313,8 @@ def _resolve(func):
     rule = _resolved.get(func)
     if rule is None:
         rule = _rules.get(func) or _rules.get(func.overloadpacket)
+        if rule is None:
+            rule = next((r for applies, r in _rules_when if applies(func)), None)
         if rule is None:
             from sbp.ops.optim import is_list_op, list_rule
 
