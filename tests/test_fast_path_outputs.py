@@ -17,7 +17,8 @@ POSITIONS = 3  # of the "positions" output: scores (N, CLASSES, POSITIONS), a K-
 
 
 class Net(torch.nn.Module):
-    """Class scores (N, C), log-probabilities, or scores per position (N, C, POSITIONS)."""
+    """Class scores (N, C) (or the same as regression outputs), log-probabilities, or scores
+    per position (N, C, POSITIONS)."""
 
     def __init__(self, output="scores"):
         super().__init__()
@@ -47,6 +48,8 @@ class _Count:
 def _data(ignored=False, output="scores"):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(N, 6, dtype=torch.float64, generator=g)
+    if output == "regression":  # float targets in [0, 1) laid out as the output
+        return x, torch.rand(N, CLASSES, dtype=torch.float64, generator=g)
     y = torch.randint(0, CLASSES, (N, POSITIONS) if output == "positions" else (N,), generator=g)
     if ignored:
         y[5] = -100  # on the second of two ranks
@@ -149,6 +152,36 @@ def test_a_loss_of_an_output_runs_on_local_tensors(pool2, world, name, ignored, 
     results = pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
     reference = _reference(loss_fn, output, ignored, weighted, None)
     _check(results, reference, "FastPathOutput", local=True)
+
+
+REGRESSION = {
+    "mse": F.mse_loss,
+    "mse_sum": lambda o, t: F.mse_loss(o, t, reduction="sum"),
+    "mse_none": lambda o, t: F.mse_loss(o, t, reduction="none"),
+    "l1": F.l1_loss,
+    "smooth_l1": lambda o, t: F.smooth_l1_loss(o, t, beta=0.5),
+    "huber": lambda o, t: F.huber_loss(o, t, delta=0.5),
+    "bce_with_logits": F.binary_cross_entropy_with_logits,
+    "module": lambda o, t: torch.nn.MSELoss()(o, t),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", sorted(REGRESSION))
+def test_an_elementwise_loss_of_an_output_runs_on_local_tensors(pool2, world, name):
+    args = (REGRESSION[name], world, "regression", False, False, None)
+    results = pool2.run(_loss_and_grads, *args) if world == 2 else [_loss_and_grads(*args)]
+    reference = _reference(REGRESSION[name], "regression", False, False, None)
+    _check(results, reference, "FastPathOutput", local=True)
+
+
+def test_an_elementwise_loss_with_a_weight_runs_op_by_op(pool2):
+    """A weight (or pos_weight, size_average, reduce) is left to the rule: equal to one
+    process all the same."""
+    weighted = lambda o, t: F.mse_loss(o, t, weight=torch.ones_like(t) * 0.5)  # noqa: E731
+    results = pool2.run(_loss_and_grads, weighted, 2, "regression", False, False, None)
+    reference = _reference(weighted, "regression", False, False, None)
+    _check(results, reference, "FastPathOutput", local=False)
 
 
 def _in_place(out):

@@ -7,7 +7,9 @@ is two C++ ops of the local graph. So the fast path returns `FastPathOutput`s:
 `F.cross_entropy` and `F.nll_loss` (and `nn.CrossEntropyLoss`, `nn.NLLLoss`) of one, with
 class-index targets laid out as the batch, run on the local tensors and return what the
 op-by-op rule returns (`sbp.ops.nn.nll_loss_forward`): each rank's sum, a partial sum,
-divided by the logical batch's total weight.
+divided by the logical batch's total weight. So do the elementwise losses (`mse_loss`,
+`l1_loss`, `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy_with_logits`) of one
+and a target laid out as it: a partial sum, a mean dividing by the logical count.
 
 Any other use of an output (a torch function or method, an attribute read through torch,
 but for a read of its shape, dtype or device) first turns it into a plain GlobalTensor, so everything after runs op by op as before, and
@@ -27,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from sbp.gradients import PLAIN_GETTERS
 from sbp.layout import GlobalSpec
 from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
-from sbp.signature import broadcast, is_all_broadcast
+from sbp.signature import broadcast, is_all_broadcast, splits_to_partials
 from sbp.tensor import GlobalTensor, box
 
 
@@ -272,4 +274,111 @@ def _nll_loss(
     )
 
 
-_LOCAL_LOSSES = {F.cross_entropy: _cross_entropy, F.nll_loss: _nll_loss}
+class _PointwiseLayout(NamedTuple):
+    """An elementwise loss's result specs (see `_pointwise_layout`)."""
+
+    out: GlobalSpec  # reduction none: as the output; else this rank's sum, a partial sum
+    whole: GlobalSpec  # a reduced loss's gradient comes whole (broadcast)
+    count: int  # the logical number of elements a mean divides by
+
+
+_pointwise_layouts: dict = {}  # (x's spec, target's, reduction, data_nd): _PointwiseLayout
+
+
+def _pointwise_layout(x, target, reduction: str, data_nd: tuple) -> _PointwiseLayout | None:
+    """Where target is laid out as output `x` (the same shape and dtype, split as the
+    batch), an elementwise loss of them on the local tensors is the logical loss's share:
+    its elements (reduction none), or a partial sum (sum; mean divides by the logical
+    count). Else None: it runs op by op."""
+    if type(target) is not GlobalTensor:
+        return None
+    x_spec, t = x._spec, target._spec
+    key = (x_spec, t, reduction, data_nd)
+    layout = _pointwise_layouts.get(key)
+    if layout is None and key not in _pointwise_layouts:
+        if (
+            reduction in _REDUCTIONS
+            and x_spec.nd_sbp == data_nd
+            and t == x_spec
+            and x_spec.dtype.is_floating_point
+        ):
+            whole = GlobalSpec(x_spec.placement, (broadcast,) * len(data_nd), (), x_spec.dtype)
+            out = (
+                x_spec
+                if reduction == "none"
+                else whole._replace(nd_sbp=splits_to_partials(data_nd))
+            )
+            layout = _PointwiseLayout(out, whole, math.prod(x_spec.shape))
+        if len(_pointwise_layouts) > 64:
+            _pointwise_layouts.clear()
+        _pointwise_layouts[key] = layout
+    return layout
+
+
+def _pointwise_loss_of_twin(
+    loss, x, target, reduction: str, unsupported: tuple = (), **options
+) -> GlobalTensor | None:
+    """`loss` (mse, l1, smooth L1, Huber, binary cross-entropy with logits) of output `x`
+    on the local tensors, or None where it runs op by op: a target laid out otherwise, or
+    an argument given that the local loss leaves to the rule (`unsupported`: a weight, the
+    deprecated `size_average` / `reduce`)."""
+    twin = _unchanged_twin(x)
+    if twin is None or any(a is not None for a in unsupported):
+        return None
+    layout = _pointwise_layout(x, target, reduction, twin.data_nd)
+    if layout is None:
+        return None
+    local = loss(
+        twin.local, target._local, reduction="none" if reduction == "none" else "sum", **options
+    )
+    if reduction == "mean":
+        local = local / layout.count
+    if local.requires_grad:
+        grad_spec = layout.out if reduction == "none" else layout.whole
+        return ExitLocal.apply(local, layout.out, grad_spec, twin.reducer, GlobalTensor)
+    return GlobalTensor(local, layout.out)
+
+
+def _mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    return _pointwise_loss_of_twin(
+        F.mse_loss, input, target, reduction, (size_average, reduce, weight)
+    )
+
+
+def _l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    return _pointwise_loss_of_twin(
+        F.l1_loss, input, target, reduction, (size_average, reduce, weight)
+    )
+
+
+def _smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
+    return _pointwise_loss_of_twin(
+        F.smooth_l1_loss, input, target, reduction, (size_average, reduce), beta=beta
+    )
+
+
+def _huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
+    return _pointwise_loss_of_twin(F.huber_loss, input, target, reduction, (weight,), delta=delta)
+
+
+def _bce_with_logits(
+    input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None
+):
+    return _pointwise_loss_of_twin(
+        F.binary_cross_entropy_with_logits,
+        input,
+        target,
+        reduction,
+        (weight, size_average, reduce, pos_weight),
+    )
+
+
+_LOCAL_LOSSES = {
+    F.cross_entropy: _cross_entropy,
+    F.nll_loss: _nll_loss,
+    F.mse_loss: _mse_loss,
+    F.l1_loss: _l1_loss,
+    F.smooth_l1_loss: _smooth_l1_loss,
+    F.huber_loss: _huber_loss,
+    F.binary_cross_entropy_with_logits: _bce_with_logits,
+}
