@@ -258,12 +258,14 @@ def check_labels(target, classes: int, ignore_index: int) -> None:
     bounds = known_range(target)
     if bounds is None:
         return
-    bad = [b for b in bounds if b != ignore_index and not 0 <= b < classes]
-    if bad:
-        raise LabelRangeError(
-            f"target holds label {bad[0]}, outside [0, {classes}) for an input of "
-            f"{classes} classes (ignore_index={ignore_index})"
-        )
+    lo, hi = bounds
+    if (lo >= 0 or lo == ignore_index) and (hi < classes or hi == ignore_index):
+        return
+    bad = lo if lo < 0 and lo != ignore_index else hi
+    raise LabelRangeError(
+        f"target holds label {bad}, outside [0, {classes}) for an input of "
+        f"{classes} classes (ignore_index={ignore_index})"
+    )
 
 
 def never_ignored(target, ignore_index: int) -> bool:
