@@ -221,6 +221,7 @@ ROWS = {
         two_d=[((S0, S0), (B, B), (B, B))],
     ),
     "glu": Row([(6, 4)], lambda x: (F.glu(x), F.glu(x, 0)), [(S0,), (S1,), (B,)]),
+    "prelu": Row([(5, 3, 4), (3,)], lambda x, w: F.prelu(x, w), [(S0, B), (S1, S0), (S2, B)]),
     "pairwise_distance": Row(
         [(7, 5), (7, 5)], lambda x, t: F.pairwise_distance(x, t), [(S0, S0), (S1, S1)]
     ),
@@ -511,6 +512,7 @@ BATCH_OPS = {  # ops on a batch split along dim 0 that must stay local (no fallb
     "group_norm": lambda x, t: F.group_norm(x.view(8, 2, 3), 2).sum(),
     "pairwise_distance": lambda x, t: F.pairwise_distance(x, t).sum(),
     "glu": lambda x, t: F.glu(x).sum(),
+    "prelu": lambda x, t: F.prelu(x.view(8, 3, 2), x.new_full((3,), 0.25)).sum(),
 }
 
 

@@ -78,6 +78,8 @@ NONLINEAR = [
     aten.hardsigmoid_backward,
     aten.softshrink_backward,
     aten.hardshrink_backward,
+    aten._prelu_kernel,  # (the weight broadcast over the input)
+    aten._prelu_kernel_backward,  # (both gradients of the input's shape; autograd sums)
     aten.where,
     aten.lerp,
     aten.lerp_,
