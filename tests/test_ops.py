@@ -220,6 +220,17 @@ ROWS = {
         [(S0, B, B), (B, B, B), (S1, B, B), (S2, B, B)],
         two_d=[((S0, S0), (B, B), (B, B))],
     ),
+    "roll_flip": Row(
+        [(5, 4, 3)],
+        lambda x: (torch.roll(x, (1, -1), (1, 2)), torch.roll(x, 2), x.flip(2), x.flip(0, 1)),
+        [(S0,), (S1,), (S2,), (P,)],
+        two_d=[((S0, S2),)],
+    ),
+    "permute_reshape": Row(  # a permuted local cannot be viewed: reshape copies, as torch does
+        [(4, 3, 2, 6)],
+        lambda x: x.permute(0, 2, 1, 3).reshape(4, 6, 6),
+        [(S0,), (sbp.split(3),), (S1,), (P,)],
+    ),
     "glu": Row([(6, 4)], lambda x: (F.glu(x), F.glu(x, 0)), [(S0,), (S1,), (B,)]),
     "prelu": Row([(5, 3, 4), (3,)], lambda x, w: F.prelu(x, w), [(S0, B), (S1, S0), (S2, B)]),
     "pairwise_distance": Row(
@@ -513,6 +524,9 @@ BATCH_OPS = {  # ops on a batch split along dim 0 that must stay local (no fallb
     "pairwise_distance": lambda x, t: F.pairwise_distance(x, t).sum(),
     "glu": lambda x, t: F.glu(x).sum(),
     "prelu": lambda x, t: F.prelu(x.view(8, 3, 2), x.new_full((3,), 0.25)).sum(),
+    "roll": lambda x, t: (torch.roll(x, 2, 1) * t).sum(),
+    "flip": lambda x, t: (x.flip(1) * t).sum(),
+    "permute_reshape": lambda x, t: (x.view(8, 2, 3).permute(0, 2, 1).reshape(8, 6) * t).sum(),
 }
 
 

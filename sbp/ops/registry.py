@@ -367,6 +367,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         largs, lkwargs = unflatten(local, tree)
         if d.direct_size is not None:  # views: the local size, fixed by the output spec
             largs = (largs[0], d.direct_size, *largs[2:])
+            return GT(local_view(func, largs, lkwargs), d.direct)
         out = func._op(*largs, **lkwargs)
         return flat[0] if d.direct_inplace else GT(out, d.direct)
     rule = _resolve(func)
@@ -377,6 +378,19 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if observers:
         observers[-1].custom(func, args)
     return rule(func, args, kwargs)
+
+
+def local_view(func, largs: tuple, lkwargs: dict) -> Any:
+    """A view op's local call. A global tensor claims a contiguous layout, so a view of a
+    permuted one (`x.permute(...).reshape(...)`, which torch turns into a view of a
+    contiguous tensor) is valid logically while its local tensor cannot be viewed: then
+    the view runs on a contiguous copy, as reshape would copy it."""
+    try:
+        return func._op(*largs, **lkwargs)
+    except RuntimeError:
+        if largs[0].is_contiguous():
+            raise
+        return func._op(largs[0].contiguous(), *largs[1:], **lkwargs)
 
 
 # ---------------------------------------------------------------- the strategy engine
@@ -514,7 +528,10 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
                 largs, lkwargs = rule.local_args(
                     func, largs, lkwargs, env.get_rank(), d.in_specs, d.out_specs
                 )
-            out = func(*largs, **lkwargs)
+            if getattr(rule.local_args, "size_from_output", False):
+                out = local_view(func, largs, lkwargs)
+            else:
+                out = func(*largs, **lkwargs)
             leaves, _ = flatten_outputs(out)
             if rule.post is not None:
                 args, kwargs = unflatten(flat, tree)

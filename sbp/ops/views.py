@@ -125,6 +125,16 @@ def slicing(call: Call) -> list[Strategy]:
     return mapped(pairs, 1)
 
 
+@register_strategy(aten.roll, aten.flip)
+def along_dims(call: Call) -> list[Strategy]:
+    """Rolling or flipping along `dims` moves elements within them only: a split (or a
+    partial sum) of any other dim stays. (A roll with no dims rolls the flattened tensor.)"""
+    ndim = len(call.specs[0].shape)
+    dims = call.arg(2, "dims", ()) if call.func.overloadpacket is aten.roll else call.arg(1, "dims")
+    moved = {_norm(d, ndim) for d in dims} if dims else set(range(ndim))
+    return mapped([(a, a) for a in range(ndim) if a not in moved], 1)
+
+
 def _sequence_specs(call: Call) -> int:
     return len(call.specs)
 
