@@ -293,7 +293,9 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
                 raise PlacementError(
                     f"{func}: mixes global tensors with a local torch.Tensor of shape "
                     f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp)), "
-                    "or pass a Python number (t.item()) for a 0-dim constant"
+                    "or pass a Python number (t.item()) for a 0-dim constant; a tensor that "
+                    "model code makes itself (torch.empty, arange, torchvision's stochastic "
+                    "depth) is global under `with sbp.global_mode(placement):`"
                 )
             key.append(("t", tuple(a.shape), a.dtype))
         elif type(a) is float:
