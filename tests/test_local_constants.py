@@ -173,3 +173,34 @@ def test_global_mode_checks_its_arguments():
             assert "placement" in str(e) or "sbp" in str(e)
         else:
             raise AssertionError("no error")
+
+
+def _stochastic_depth():
+    """torchvision's stochastic depth (EfficientNet, ConvNeXt, Swin) draws a row mask of the
+    logical batch with torch.empty: outside global_mode an error naming it; inside, one
+    logical mask that every rank holds its rows of."""
+    from torchvision.ops import stochastic_depth
+
+    P_ = sbp.placement("cpu", [0, 1])
+    x = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 5
+    me = sbp.env.get_rank()
+    g = sbp.to_global(x[4 * me : 4 * me + 4], P_, sbp.split(0))
+    try:
+        stochastic_depth(g, 0.5, "row", True)
+        error = ""
+    except sbp.PlacementError as e:
+        error = str(e)
+    sbp.manual_seed(7)
+    with sbp.global_mode(P_):
+        out = stochastic_depth(g, 0.5, "row", True)
+    return error, tuple(out.sbp), out.full_tensor(), x
+
+
+def test_stochastic_depth_runs_under_global_mode(pool2):
+    (error, nd, out, x), (_, _, other, _) = pool2.run(_stochastic_depth)
+    assert "sbp.global_mode" in error
+    assert nd == (sbp.split(0),)
+    torch.testing.assert_close(out, other, rtol=0, atol=0)  # one logical mask
+    kept = (out != 0).all(1)
+    assert ((out == 0).all(1) | kept).all() and kept.any() and not kept.all()  # whole rows
+    torch.testing.assert_close(out[kept], x[kept] * 2)  # kept rows scaled by 1 / (1 - p)
