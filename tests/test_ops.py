@@ -220,6 +220,9 @@ ROWS = {
         [(S0, B, B), (B, B, B), (S1, B, B), (S2, B, B)],
         two_d=[((S0, S0), (B, B), (B, B))],
     ),
+    "slice_select_backward": Row(
+        [(5, 6, 3)], lambda x: (x[:, 1:5:2], x[:, 2], x[..., 0]), [(S0,), (S1,), (S2,), (P,)]
+    ),
     "roll_flip": Row(
         [(5, 4, 3)],
         lambda x: (torch.roll(x, (1, -1), (1, 2)), torch.roll(x, 2), x.flip(2), x.flip(0, 1)),
@@ -524,6 +527,8 @@ BATCH_OPS = {  # ops on a batch split along dim 0 that must stay local (no fallb
     "pairwise_distance": lambda x, t: F.pairwise_distance(x, t).sum(),
     "glu": lambda x, t: F.glu(x).sum(),
     "prelu": lambda x, t: F.prelu(x.view(8, 3, 2), x.new_full((3,), 0.25)).sum(),
+    "hardswish_": lambda x, t: F.hardswish(x * 1.0, inplace=True).sum(),
+    "slice_select": lambda x, t: (x[:, 1:4] * t[:, :3]).sum() + x[:, 0].sum(),
     "roll": lambda x, t: (torch.roll(x, 2, 1) * t).sum(),
     "flip": lambda x, t: (x.flip(1) * t).sum(),
     "permute_reshape": lambda x, t: (x.view(8, 2, 3).permute(0, 2, 1).reshape(8, 6) * t).sum(),

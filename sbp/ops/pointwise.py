@@ -55,6 +55,8 @@ NONLINEAR = [
     aten.hardtanh,
     aten.hardtanh_,
     aten.hardswish,
+    aten.hardswish_,
+    aten.hardsigmoid_,
     aten.hardsigmoid,
     aten.erf,
     aten.sin,

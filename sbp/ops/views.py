@@ -125,6 +125,16 @@ def slicing(call: Call) -> list[Strategy]:
     return mapped(pairs, 1)
 
 
+@register_strategy(aten.slice_backward, aten.select_backward, local_args=local_out_size)
+def slicing_backward(call: Call) -> list[Strategy]:
+    """A slice's (select's) gradient: the incoming gradient inside zeros of the input's
+    shape. Splits of every dim but the sliced one stay, so does a partial sum."""
+    ndim = len(call.arg(1, "input_sizes"))
+    dim = _norm(call.arg(2, "dim"), ndim)
+    drop = call.func.overloadpacket is aten.select_backward
+    return mapped([(a - (drop and a > dim), a) for a in range(ndim) if a != dim], 1)
+
+
 @register_strategy(aten.roll, aten.flip)
 def along_dims(call: Call) -> list[Strategy]:
     """Rolling or flipping along `dims` moves elements within them only: a split (or a
