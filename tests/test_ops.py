@@ -158,7 +158,12 @@ ROWS = {
     ),
     "softmax": Row(
         [(7, 5)],
-        lambda x: (F.softmax(x, 1), F.log_softmax(x, 1), F.softmax(x, 0)),
+        lambda x: (
+            F.softmax(x, 1),
+            F.log_softmax(x, 1),
+            F.softmax(x, 0),
+            torch.ops.aten._safe_softmax(x, 1),  # (scaled_dot_product_attention's math path)
+        ),
         [(S0,), (S1,), (P,)],
     ),
     "cross_entropy": Row(
@@ -219,6 +224,16 @@ ROWS = {
         lambda x, w, b: F.group_norm(x, 2, w, b),
         [(S0, B, B), (B, B, B), (S1, B, B), (S2, B, B)],
         two_d=[((S0, S0), (B, B), (B, B))],
+    ),
+    "gather": Row(  # (its backward: scatter_add)
+        [(5, 4), ("int", (5, 3), 4), ("int", (2, 4), 5)],
+        lambda x, i, j: (torch.gather(x, 1, i), torch.gather(x, 0, j)),
+        [(S0, S0, B), (B, S1, S1), (P, B, B), (S1, S0, S0)],
+    ),
+    "scatter_add": Row(
+        [(5, 4), ("int", (5, 3), 4), (5, 3)],
+        lambda x, i, src: x.scatter_add(1, i, src),
+        [(S0, S0, S0), (B, S1, S1), (P, B, P), (S1, S0, B), (B, B, B)],
     ),
     "slice_select_backward": Row(
         [(5, 6, 3)], lambda x: (x[:, 1:5:2], x[:, 2], x[..., 0]), [(S0,), (S1,), (S2,), (P,)]
@@ -530,6 +545,8 @@ BATCH_OPS = {  # ops on a batch split along dim 0 that must stay local (no fallb
     "hardswish_": lambda x, t: F.hardswish(x * 1.0, inplace=True).sum(),
     "slice_select": lambda x, t: (x[:, 1:4] * t[:, :3]).sum() + x[:, 0].sum(),
     "roll": lambda x, t: (torch.roll(x, 2, 1) * t).sum(),
+    "gather": lambda x, t: torch.gather(x, 1, (t.abs() * 2).long().clamp(max=5)).sum(),
+    "safe_softmax": lambda x, t: (torch.ops.aten._safe_softmax(x, 1) * t).sum(),
     "flip": lambda x, t: (x.flip(1) * t).sum(),
     "permute_reshape": lambda x, t: (x.view(8, 2, 3).permute(0, 2, 1).reshape(8, 6) * t).sum(),
 }

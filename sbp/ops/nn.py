@@ -89,7 +89,7 @@ def _except_dim(call: Call, dim_pos: int, n_in: int, default: int | None = None)
     return cands
 
 
-@register_strategy(aten._log_softmax, aten._softmax)
+@register_strategy(aten._log_softmax, aten._softmax, aten._safe_softmax)
 def softmax(call: Call) -> list[Strategy]:
     return _except_dim(call, 1, 1)
 

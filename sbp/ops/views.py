@@ -125,6 +125,50 @@ def slicing(call: Call) -> list[Strategy]:
     return mapped(pairs, 1)
 
 
+@register_strategy(aten.gather)
+def gather(call: Call) -> list[Strategy]:
+    """out = self's elements picked along `dim` by index: a split of another dim stays where
+    self and index split it alike (the same size there); index split along `dim` picks from
+    the whole self; a partial self stays partial (picking elements is linear)."""
+    if len(call.specs) != 2:  # (a local index: only where every rank holds everything)
+        return [Strategy((broadcast,) * len(call.specs), (broadcast,))]
+    self_shape, index_shape = call.specs[0].shape, call.specs[1].shape
+    ndim = len(self_shape)
+    dim = _norm(call.arg(1, "dim"), ndim)
+    cands = [
+        Strategy((broadcast, broadcast), (broadcast,)),
+        Strategy((partial_sum, broadcast), (partial_sum,)),
+        Strategy((broadcast, split(dim)), (split(dim),)),
+    ]
+    cands += [
+        Strategy((split(d), split(d)), (split(d),))
+        for d in range(ndim)
+        if d != dim and self_shape[d] == index_shape[d]
+    ]
+    return cands
+
+
+@register_strategy(aten.scatter_add, aten.scatter_add_)
+def scatter_add(call: Call) -> list[Strategy]:
+    """self plus src's elements added at index along `dim` (gather's backward): a split of
+    another dim stays where all three split it alike; src and index split along `dim` add
+    into partial sums; linear in self and src, so partial ones stay partial."""
+    if len(call.specs) != 3:
+        return [Strategy((broadcast,) * len(call.specs), (broadcast,))]
+    shapes = [s.shape for s in call.specs]
+    ndim = len(shapes[0])
+    dim = _norm(call.arg(1, "dim"), ndim)
+    B, P = broadcast, partial_sum
+    cands = [Strategy((B, B, B), (B,)), Strategy((P, B, P), (P,))]
+    cands.append(Strategy((P, split(dim), split(dim)), (P,)))
+    cands += [
+        Strategy((split(d),) * 3, (split(d),))
+        for d in range(ndim)
+        if d != dim and shapes[0][d] == shapes[1][d] == shapes[2][d]
+    ]
+    return cands
+
+
 @register_strategy(aten.slice_backward, aten.select_backward, local_args=local_out_size)
 def slicing_backward(call: Call) -> list[Strategy]:
     """A slice's (select's) gradient: the incoming gradient inside zeros of the input's
