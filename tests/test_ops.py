@@ -575,6 +575,32 @@ def test_losses_and_activations_keep_a_batch_split(pool2, name):
         assert not stats.fallbacks and "all_gather" not in stats.by_kind, stats
 
 
+def _position_embedding():
+    """GPT-2's position embedding: ids broadcast, added to a split batch; the table's
+    gradient is then a partial sum, and its embedding backward keeps it partial."""
+    P_ = sbp.placement("cpu", [0, 1])
+    x, table = _inputs(Row([(8, 3, 4), (5, 4)], None, []), 9)
+    gx = sbp.tensor(x, P_, (S0,)).requires_grad_()
+    gt = sbp.tensor(table, P_, (B,)).requires_grad_()
+    ids = torch.arange(3)
+    with sbp.comm_stats() as st:
+        out = (gx + F.embedding(sbp.tensor(ids, P_, (B,)), gt)).pow(2).sum()
+        out.backward()
+    x.requires_grad_(), table.requires_grad_()
+    (x + F.embedding(ids, table)).pow(2).sum().backward()
+    close = [
+        torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+        for a, b in [(gx.grad.full_tensor(), x.grad), (gt.grad.full_tensor(), table.grad)]
+    ]
+    return close, dict(st.by_kind)
+
+
+def test_position_embedding_gradient_stays_partial(pool2):
+    for close, kinds in pool2.run(_position_embedding):
+        assert close == [True, True]
+        assert kinds == {"all_reduce": 1}, kinds  # the table's gradient into its .grad, as DDP
+
+
 WORLD2_CASES = [(name, tuple((s,) for s in row.sbps[0]), [1, 0]) for name, row in ROWS.items()]
 WORLD2_CASES += [
     (name, tuple((s,) for s in combo), [0, 1])

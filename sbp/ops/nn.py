@@ -344,6 +344,7 @@ def embedding(call: Call) -> list[Strategy]:
 def embedding_backward(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
     cands = [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+    cands.append(Strategy((P, B), (P,)))  # linear in the gradient (position ids: broadcast)
     return cands + [Strategy((split(ndim), B), (split(1),))]  # column split
 
 
