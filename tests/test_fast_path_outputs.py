@@ -184,6 +184,35 @@ def test_an_elementwise_loss_with_a_weight_runs_op_by_op(pool2):
     _check(results, reference, "FastPathOutput", local=False)
 
 
+def _learnt_target(world):
+    """mse of an output and a target that requires grad (distillation, say): the local loss
+    declines (the target's local tensor has no graph); its gradient and the model's equal
+    one process's."""
+    P = sbp.placement("cpu", list(range(world)))
+    x, y = _data(output="regression")
+    torch.manual_seed(0)
+    model = Net().double().to_global(P, B)
+    target = _global(y, P).requires_grad_()
+    out = model(_global(x, P))
+    kind = type(out).__name__
+    F.mse_loss(out, target).backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    return kind, target.grad.full_tensor(), grads
+
+
+def test_a_target_that_requires_grad_gets_its_gradient(pool2):
+    x, y = _data(output="regression")
+    torch.manual_seed(0)
+    model = Net().double()
+    y.requires_grad_()
+    F.mse_loss(model(x), y).backward()
+    for kind, target_grad, grads in pool2.run(_learnt_target, 2):
+        assert kind == "FastPathOutput"
+        _close(target_grad, y.grad)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            _close(g, p.grad)
+
+
 def _in_place(out):
     return out.mul_(2)
 

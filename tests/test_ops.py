@@ -235,6 +235,12 @@ ROWS = {
         lambda x, i, src: x.scatter_add(1, i, src),
         [(S0, S0, S0), (B, S1, S1), (P, B, P), (S1, S0, B), (B, B, B)],
     ),
+    "scatter_add_longer_src": Row(  # src rows beyond index's are not added
+        [(3, 2), ("int", (4, 2), 3), (6, 2)],
+        lambda x, i, src: x.scatter_add(0, i, src),
+        [(B, S0, S0), (P, S0, S0), (S1, B, S1)],
+        grad=False,  # (torch's own backward refuses a src longer than index)
+    ),
     "slice_select_backward": Row(
         [(5, 6, 3)], lambda x: (x[:, 1:5:2], x[:, 2], x[..., 0]), [(S0,), (S1,), (S2,), (P,)]
     ),

@@ -168,6 +168,8 @@ def _loss_layout(x, target, weight, reduction: str, data_nd: tuple) -> NllLayout
     per key: a training loop makes the same call every step)."""
     if type(target) is not GlobalTensor or not (weight is None or type(weight) is GlobalTensor):
         return None
+    if weight is not None and weight.requires_grad:  # (torch refuses its gradient: op by op)
+        return None
     x_spec, t = x._spec, target._spec
     w = None if weight is None else weight._spec
     key = (x_spec, t, w, reduction, data_nd)
@@ -290,7 +292,7 @@ def _pointwise_layout(x, target, reduction: str, data_nd: tuple) -> _PointwiseLa
     batch), an elementwise loss of them on the local tensors is the logical loss's share:
     its elements (reduction none), or a partial sum (sum; mean divides by the logical
     count). Else None: it runs op by op."""
-    if type(target) is not GlobalTensor:
+    if type(target) is not GlobalTensor or target.requires_grad:  # (its local has no graph)
         return None
     x_spec, t = x._spec, target._spec
     key = (x_spec, t, reduction, data_nd)

@@ -117,8 +117,10 @@ def log_sigmoid_forward(func, args, kwargs):
     from sbp.tensor import GlobalTensor
 
     x = without_partials(args[0])
-    out, buffer = func._op(x._local)
-    if buffer.shape == x._local.shape:
+    local = x._local
+    out, buffer = func._op(local)
+    # (decided alike on every rank: an empty shard on CUDA has an empty buffer of its shape)
+    if buffer.shape == local.shape and (local.device.type != "cuda" or local.numel() > 0):
         buffer_spec = x._spec._replace(dtype=buffer.dtype)
     else:
         whole = tuple(B for _ in x._spec.nd_sbp)

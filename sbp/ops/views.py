@@ -160,7 +160,8 @@ def scatter_add(call: Call) -> list[Strategy]:
     dim = _norm(call.arg(1, "dim"), ndim)
     B, P = broadcast, partial_sum
     cands = [Strategy((B, B, B), (B,)), Strategy((P, B, P), (P,))]
-    cands.append(Strategy((P, split(dim), split(dim)), (P,)))
+    if shapes[1][dim] == shapes[2][dim]:  # (src may be longer: its rows must pair with index's)
+        cands.append(Strategy((P, split(dim), split(dim)), (P,)))
     cands += [
         Strategy((split(d),) * 3, (split(d),))
         for d in range(ndim)
