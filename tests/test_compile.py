@@ -419,6 +419,53 @@ def test_compiled_mobilenet_v2_data_parallel_equals_one_process(request, world):
         _close(compiled, ref, 1e-6)
 
 
+class _Rolled(torch.nn.Module):
+    """Ops whose rules are new in this model's path: GroupNorm, PReLU, roll, a reshape of a
+    permuted tensor (a view of a local that cannot be viewed), gather, ELU, smooth L1."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.act = (
+            torch.nn.Linear(6, 6),
+            torch.nn.GroupNorm(2, 6),
+            torch.nn.PReLU(6),
+        )
+
+    def forward(self, x):
+        h = self.act(self.norm(self.lin(x).view(len(x), 6, 1))).view(len(x), 2, 3)
+        h = torch.roll(h, 1, 2).permute(0, 2, 1).reshape(len(x), 6)
+        return F.elu(h) + torch.gather(h, 1, torch.zeros_like(h, dtype=torch.long))
+
+
+def _rolled_step():
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = _Rolled().double().to_global(P, B)
+    sbp.nn.data_parallel(model, fast=False)  # (traced op by op through the global tensors)
+    g = torch.Generator().manual_seed(3)
+    x, t = (torch.randn(8, 6, dtype=torch.float64, generator=g) for _ in range(2))
+    place = _split_batch(P)
+    loss_of = torch.compile(
+        lambda a, b: F.smooth_l1_loss(model(a), b), fullgraph=True, backend="aot_eager"
+    )
+    with sbp.comm_stats() as stats:
+        loss = loss_of(place(x), place(t))
+        loss.backward()
+    return _full(loss), [_full(p.grad) for p in model.parameters()], dict(stats.fallbacks)
+
+
+def test_compiled_new_rules_equal_one_process(pool2):
+    torch.manual_seed(0)
+    model = _Rolled().double()
+    g = torch.Generator().manual_seed(3)
+    x, t = (torch.randn(8, 6, dtype=torch.float64, generator=g) for _ in range(2))
+    want = F.smooth_l1_loss(model(x), t)
+    want.backward()
+    for loss, grads, fallbacks in pool2.run(_rolled_step):
+        _close([loss, *grads], [want.detach(), *(p.grad for p in model.parameters())])
+        assert fallbacks == {}
+
+
 def _add_partial_into(w, x):
     w.add_(x.sum(0))  # x split(0): its sum is a partial sum, so eager makes w partial
     return w * 2

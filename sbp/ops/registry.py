@@ -389,7 +389,7 @@ def local_view(func, largs: tuple, lkwargs: dict) -> Any:
     the view runs on a contiguous copy, as reshape would copy it."""
     try:
         return func._op(*largs, **lkwargs)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # (eager tensors raise the one, fake tensors the other)
         if largs[0].is_contiguous():
             raise
         return func._op(largs[0].contiguous(), *largs[1:], **lkwargs)
