@@ -12,9 +12,9 @@ divided by the logical batch's total weight. So do the elementwise losses (`mse_
 and a target laid out as it: a partial sum, a mean dividing by the logical count.
 
 Any other use of an output (a torch function or method, an attribute read through torch,
-but for a read of its shape, dtype or device) first turns it into a plain GlobalTensor, so everything after runs op by op as before, and
-no other code of sbp meets the class. A loss of an output changed under it (its local
-tensor written, a hook) runs op by op too.
+but for a read of its shape, dtype or device) first turns it into a plain GlobalTensor, so
+everything after runs op by op as before, and no other code of sbp meets the class. A
+loss of an output changed under it (its local tensor written, a hook) runs op by op too.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def _loss_of_twin(
     layout = _loss_layout(x, target, weight, reduction, twin.data_nd)
     if layout is None:
         return None
-    check_labels(target, x._spec.shape[1], ignore_index)
+    bounds = check_labels(target, x._spec.shape[1], ignore_index)
     weight = None if weight is None else weight._local
     local = loss(
         twin.local,
@@ -217,17 +217,24 @@ def _loss_of_twin(
         **options,
     )
     if reduction == "mean":
-        local = local / _total_weight(twin.local, target, weight, ignore_index, layout)
+        local = local / _total_weight(twin.local, target, weight, ignore_index, bounds, layout)
+    return _global_loss(local, layout.out, layout.total, reduction, twin)
+
+
+def _global_loss(local, out: GlobalSpec, whole: GlobalSpec, reduction: str, twin: _Twin):
+    """The local loss as the global one (`out`), joined to the local graph where it has one:
+    its gradient comes split as the output's (reduction none), or whole."""
     if local.requires_grad:
-        grad_spec = layout.out if reduction == "none" else layout.total  # (split, or whole)
-        return ExitLocal.apply(local, layout.out, grad_spec, twin.reducer, GlobalTensor)
-    return GlobalTensor(local, layout.out)
+        grad_spec = out if reduction == "none" else whole
+        return ExitLocal.apply(local, out, grad_spec, twin.reducer, GlobalTensor)
+    return GlobalTensor(local, out)
 
 
-def _total_weight(scores, target, weight, ignore_index: int, layout: NllLayout):
+def _total_weight(scores, target, weight, ignore_index: int, bounds, layout: NllLayout):
     """The divisor of the mean, as the op-by-op rule finds it: the logical targets' number
-    where none can be ignored (no collective), else their total weight, summed over ranks."""
-    if weight is None and never_ignored(target, ignore_index):
+    where none can be ignored (their range `bounds`: no collective), else their total
+    weight, summed over ranks."""
+    if weight is None and never_ignored(bounds, ignore_index):
         key = (math.prod(target._spec.shape), layout.total.dtype, scores.device)
         count = _counts.get(key)
         if count is None:
@@ -296,24 +303,22 @@ def _pointwise_layout(x, target, reduction: str, data_nd: tuple) -> _PointwiseLa
         return None
     x_spec, t = x._spec, target._spec
     key = (x_spec, t, reduction, data_nd)
-    layout = _pointwise_layouts.get(key)
-    if layout is None and key not in _pointwise_layouts:
-        if (
-            reduction in _REDUCTIONS
-            and x_spec.nd_sbp == data_nd
-            and t == x_spec
-            and x_spec.dtype.is_floating_point
-        ):
-            whole = GlobalSpec(x_spec.placement, (broadcast,) * len(data_nd), (), x_spec.dtype)
-            out = (
-                x_spec
-                if reduction == "none"
-                else whole._replace(nd_sbp=splits_to_partials(data_nd))
-            )
-            layout = _PointwiseLayout(out, whole, math.prod(x_spec.shape))
-        if len(_pointwise_layouts) > 64:
-            _pointwise_layouts.clear()
-        _pointwise_layouts[key] = layout
+    if key in _pointwise_layouts:
+        return _pointwise_layouts[key]
+    layout = None
+    if (
+        reduction in _REDUCTIONS
+        and x_spec.nd_sbp == data_nd
+        and t == x_spec
+        and x_spec.dtype.is_floating_point
+    ):
+        whole = GlobalSpec(x_spec.placement, (broadcast,) * len(data_nd), (), x_spec.dtype)
+        partial = whole._replace(nd_sbp=splits_to_partials(data_nd))
+        out = x_spec if reduction == "none" else partial
+        layout = _PointwiseLayout(out, whole, math.prod(x_spec.shape))
+    if len(_pointwise_layouts) > 64:
+        _pointwise_layouts.clear()
+    _pointwise_layouts[key] = layout
     return layout
 
 
@@ -335,10 +340,7 @@ def _pointwise_loss_of_twin(
     )
     if reduction == "mean":
         local = local / layout.count
-    if local.requires_grad:
-        grad_spec = layout.out if reduction == "none" else layout.whole
-        return ExitLocal.apply(local, layout.out, grad_spec, twin.reducer, GlobalTensor)
-    return GlobalTensor(local, layout.out)
+    return _global_loss(local, layout.out, layout.whole, reduction, twin)
 
 
 def _mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):

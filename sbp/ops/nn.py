@@ -216,7 +216,7 @@ def nll_loss_forward(func, args, kwargs):
     """Mean over the logical batch: local sums divided by the all-reduced total weight.
     (`nll_loss2d` is the same loss for (N, C, H, W) scores, and for any K-dim ones, which
     torch reshapes to 4-D.)"""
-    from sbp.tensor import GlobalTensor
+    from sbp.tensor import GlobalTensor, known_range
 
     x, target, weight, reduction, ignore_index = args
     layout = nll_layout(x, target, weight, reduction)
@@ -237,7 +237,7 @@ def nll_loss_forward(func, args, kwargs):
         tw = torch.empty((), dtype=x.dtype)
     if reduction == 0:
         return GlobalTensor(out, layout.out), GlobalTensor(tw, layout.total)
-    if reduction == 1 and weight is None and never_ignored(target, ignore_index):
+    if reduction == 1 and weight is None and never_ignored(known_range(target), ignore_index):
         # every logical target counts: the divisor is their number, no collective needed
         total = GlobalTensor(tw.new_full((), target.numel()), layout.total)
     else:
@@ -247,10 +247,11 @@ def nll_loss_forward(func, args, kwargs):
     return GlobalTensor(out / total._local if layout.inside else out, layout.out), total
 
 
-def check_labels(target, classes: int, ignore_index: int) -> None:
+def check_labels(target, classes: int, ignore_index: int) -> tuple[int, int] | None:
     """A label outside [0, classes) fails torch's kernel on the rank that holds it alone, and
     the other ranks would wait for it in the next collective until the timeout. Where
-    `to_global` learnt the logical labels' range, every rank knows it alike and raises here.
+    `to_global` learnt the logical labels' range, every rank knows it alike and raises here;
+    else it returns that range (None where unknown), for `never_ignored`.
 
     A bound equal to `ignore_index` hides what lies between it and the valid labels; only
     the other bound is checked then. Unknown ranges (GPU labels, labels computed by ops)
@@ -259,10 +260,10 @@ def check_labels(target, classes: int, ignore_index: int) -> None:
 
     bounds = known_range(target)
     if bounds is None:
-        return
+        return None
     lo, hi = bounds
     if (lo >= 0 or lo == ignore_index) and (hi < classes or hi == ignore_index):
-        return
+        return bounds
     bad = lo if lo < 0 and lo != ignore_index else hi
     raise LabelRangeError(
         f"target holds label {bad}, outside [0, {classes}) for an input of "
@@ -270,11 +271,8 @@ def check_labels(target, classes: int, ignore_index: int) -> None:
     )
 
 
-def never_ignored(target, ignore_index: int) -> bool:
-    """Is `ignore_index` outside the range of the logical targets known from `to_global`?"""
-    from sbp.tensor import known_range
-
-    bounds = known_range(target)
+def never_ignored(bounds: tuple[int, int] | None, ignore_index: int) -> bool:
+    """Is `ignore_index` outside the logical targets' range (`known_range`, None unknown)?"""
     return bounds is not None and not bounds[0] <= ignore_index <= bounds[1]
 
 
