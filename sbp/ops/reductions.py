@@ -168,3 +168,41 @@ def any_all(func, args, kwargs):
     flags = aten._to_copy.default(without_partials(args[0]) != 0, dtype=torch.int32)
     out = flags.amax() if func is aten.any.default else flags.amin()
     return without_partials(out) != 0
+
+
+# ---------------------------------------------------------------- scans along a dim
+
+
+def scan_candidates(call: Call, dim_pos: int, n_in: int, n_out: int = 1) -> list[Strategy]:
+    """A scan (cumsum, cummax, ...) runs along `dim` only: a split of any other dim stays."""
+    ndim = len(call.specs[0].shape)
+    dim = call.arg(dim_pos, "dim")
+    dim = dim + ndim if dim < 0 else dim
+    cands = [Strategy((broadcast,) * n_in, (broadcast,) * n_out)]
+    for d in range(ndim):
+        if d != dim:
+            cands.append(Strategy((split(d),) * n_in, (split(d),) * n_out))
+    return cands
+
+
+@register_strategy(aten.cumsum)
+def cumsum(call: Call) -> list[Strategy]:
+    """Also linear: partial sums stay partial."""
+    return [*scan_candidates(call, 1, 1), Strategy((partial_sum,), (partial_sum,))]
+
+
+@register_strategy(aten.cumprod, aten.logcumsumexp, aten._logcumsumexp)
+def scan(call: Call) -> list[Strategy]:
+    return scan_candidates(call, 1, 1)
+
+
+@register_strategy(aten.cummax, aten.cummin)
+def scan_with_indices(call: Call) -> list[Strategy]:
+    return scan_candidates(call, 1, 1, n_out=2)
+
+
+@register_strategy(aten.cumprod_backward, aten.cummaxmin_backward)
+def scan_backward(call: Call) -> list[Strategy]:
+    """(grad, input, dim, output) and (grad, input, indices, dim): every tensor as the input."""
+    dim_pos = 2 if call.func.overloadpacket is aten.cumprod_backward else 3
+    return scan_candidates(call, dim_pos, len(call.specs))

@@ -202,10 +202,24 @@ def concat(call: Call) -> list[Strategy]:
     if call.func.overloadpacket is aten.stack:
         dim = _norm(dim, ndim + 1)
         pairs = [(a, a + (a >= dim)) for a in range(ndim)]
-    else:
-        dim = _norm(dim, ndim)
-        pairs = [(a, a) for a in range(ndim) if a != dim]
-    return mapped(pairs, n)
+        return mapped(pairs, n)
+    # torch's cat skips empty 1-D tensors whatever the others' shape (transformers' KV cache
+    # starts as `torch.tensor([])`): they add nothing and are taken as they are, broadcast
+    skipped = [s.shape == (0,) for s in call.specs]
+    kept = [s for s, skip in zip(call.specs, skipped, strict=True) if not skip]
+    if kept and any(skipped):
+        ndim = len(kept[0].shape)
+    dim = _norm(dim, ndim)
+    cands = mapped([(a, a) for a in range(ndim) if a != dim], n)
+    if not kept or not any(skipped):
+        return cands
+    return [
+        Strategy(
+            tuple(broadcast if skip else s for s, skip in zip(c.inputs, skipped, strict=True)),
+            c.outputs,
+        )
+        for c in cands
+    ]
 
 
 @register_strategy(aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)
