@@ -69,11 +69,23 @@ def replicating() -> bool:
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """Inside, factories make local tensors and nothing is replicated: a module running on
-    local shards (the data-parallel fast path) makes its constants as one process would."""
+    local shards (the data-parallel fast path) makes its constants as one process would.
+
+    `global_mode`'s modes, which do nothing inside, leave torch's mode stack for the
+    duration where they are on its top: each would cost a Python call per torch call."""
     _suspended.append(True)
+    lifted = []
+    while (
+        torch._C._len_torch_function_stack()
+        and type(torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1))
+        is _GlobalFactories
+    ):
+        lifted.append(torch._C._pop_torch_function_stack())
     try:
         yield
     finally:
+        for mode in reversed(lifted):
+            torch._C._push_on_torch_function_stack(mode)
         _suspended.pop()
 
 

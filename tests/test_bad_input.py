@@ -341,6 +341,45 @@ def test_ignore_index_outside_the_classes_is_not_an_error(pool, fast, ignore_ind
         torch.testing.assert_close(grad, model.weight.grad, rtol=1e-12, atol=1e-12)
 
 
+class _LossInside(torch.nn.Module):
+    """Its forward returns the loss of labels it computes (no range known), as
+    transformers' models do with `labels=`."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x, y):
+        import torch.nn.functional as F
+
+        return F.cross_entropy(self.linear(x), y.clone())
+
+
+def _loss_inside_with_label(rank, world, label):
+    """The fast path's local run of `_LossInside`, checked first on good labels."""
+    import sbp.nn
+
+    P = _all(world)
+    model, x, y = _labelled_batch(world, 1, 0)
+    model = _LossInside(model).to_global(P, sbp.broadcast)
+    gx = sbp.to_global(x[2 * rank : 2 * rank + 2], P, sbp.split(0))
+    model(gx, sbp.to_global(y[2 * rank : 2 * rank + 2], P, sbp.split(0)))  # the check
+    y[-1] = label
+    loss = model(gx, sbp.to_global(y[2 * rank : 2 * rank + 2], P, sbp.split(0)))
+    path = sbp.nn.fast_path.state(model).last_path
+    loss.backward()
+    return path, loss.item()
+
+
+@pytest.mark.parametrize("label", [5, -1], ids=["C", "negative"])
+def test_label_out_of_range_inside_the_forward_raises_on_every_rank(pool, label):
+    """A loss the fast path computes in its local run: the ranks learn of a bad label on any
+    of them with the divisor's all-reduce, and raise together."""
+    for path, _ in _expect_values(pool, _loss_inside_with_label, 1):
+        assert path == "fast"
+    _expect_error(pool, _loss_inside_with_label, sbp.LabelRangeError, label, match="outside [0, 5)")
+
+
 # ---------------------------------------------------------------- resources
 
 

@@ -8,6 +8,7 @@ rounding.
 
 import copy
 import sys
+import types
 
 import pytest
 import torch
@@ -896,6 +897,191 @@ def test_cross_entropy_divisor_without_a_collective(pool2, hit):
         calls, value = r["after"]
         assert calls == 1
         assert value == pytest.approx(F.cross_entropy(logits, edited).item(), abs=1e-12)
+
+
+_CROSS_ENTROPY = F.cross_entropy
+
+
+class LossInside(torch.nn.Module):
+    """Returns its loss of the labels it is given, as transformers' models do with
+    `labels=`: the fast path computes it over the logical batch in the local run."""
+
+    def __init__(self, kind="mean"):
+        super().__init__()
+        self.body, self.kind = MLP(), kind
+        self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]))
+
+    def forward(self, x, y):
+        logits = self.body(x)
+        if self.kind == "weight":
+            loss = F.cross_entropy(logits, y, weight=self.class_weight)
+        elif self.kind == "nll":
+            loss = F.nll_loss(F.log_softmax(logits, 1), y, ignore_index=1)
+        elif self.kind == "sum":
+            loss = F.cross_entropy(logits, y, reduction="sum") / 4
+        elif self.kind == "captured":  # not looked up on torch.nn.functional: a mode finds it
+            loss = _CROSS_ENTROPY(logits, y, ignore_index=2)
+        else:
+            loss = F.cross_entropy(logits, y, ignore_index=0)
+        return logits, loss * 2  # (an op on the loss: a partial sum stays one)
+
+
+def _train_loss_inside(kind, world, fast):
+    """Steps of `LossInside` trained on its own loss: losses, parameters, paths, and the
+    collectives of the last step's forward."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = LossInside(kind).double()
+    P = None if world is None else sbp.placement("cpu", list(range(world)))
+    if P is not None:
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model, fast=fast)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, paths, kinds = [], [], {}
+    for x, y in _data(steps=3):
+        if P is not None:
+            x, y = _global(x, P), _global(y, P)
+        with sbp.comm_stats() as st:
+            logits, loss = model(x, y)
+        kinds = dict(st.by_kind)
+        if P is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = _gather(model) if P is not None else [p.detach() for p in model.parameters()]
+    return losses, params, paths, kinds
+
+
+@pytest.mark.parametrize("kind", ["mean", "weight", "nll", "sum", "captured"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_loss_inside_the_forward_runs_on_the_fast_path(pool2, pool4, kind, world):
+    """The forward returns a cross-entropy (nll) of its labels: after the check, it runs on
+    the local tensors, the mean over the logical batch (ignored labels, class weights, an
+    uneven split of 10 rows on 4 ranks) with one small all-reduce for its divisor, and
+    training equals one process."""
+    ref_losses, ref_params, _, _ = _train_loss_inside(kind, None, None)
+    if world == 1:
+        results = [_train_loss_inside(kind, 1, True)]
+    else:
+        results = (pool2 if world == 2 else pool4).run(_train_loss_inside, kind, world, True)
+    for losses, params, paths, kinds in results:
+        assert paths == ["fast"] * 3
+        assert losses == pytest.approx(ref_losses, rel=1e-12)
+        assert _rel(params, ref_params) < 1e-12
+        divisor = world > 1 and kind != "sum"
+        assert kinds == ({"all_reduce": 1} if divisor else {}), kinds
+
+
+def test_a_loss_inside_the_forward_equals_op_by_op(pool2):
+    fast = pool2.run(_train_loss_inside, "mean", 2, True)[0]
+    per_op = pool2.run(_train_loss_inside, "mean", 2, False)[0]
+    assert per_op[2] == ["per-op"] * 3
+    assert fast[0] == pytest.approx(per_op[0], rel=1e-12)
+    assert _rel(fast[1], per_op[1]) < 1e-12
+
+
+def test_torch_compile_of_a_model_with_its_loss_inside():
+    """The compiled local forward cannot compute the loss over the logical batch: the local
+    forward runs eagerly, with a warning, and equals one process. (Op by op, compiled, the
+    unused logits' zero gradient would be a plain tensor, which AOT autograd refuses.)"""
+    import sbp.nn
+
+    ref_losses, ref_params, _, _ = _train_loss_inside("mean", None, None)
+    torch.manual_seed(0)
+    P = sbp.placement("cpu", [0])
+    model = LossInside().double().to_global(P, B)
+    run = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    with pytest.warns(UserWarning, match="computes a loss over the logical batch"):
+        for x, y in _data(steps=3):
+            logits, loss = run(_global(x, P), _global(y, P))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    assert _rel(_gather(model), ref_params) < 1e-12
+
+
+class CastsAndTests(torch.nn.Module):
+    """Converts dtypes (as autocast and `.float()` do) and branches on a broadcast value (as
+    transformers' mask code does on position ids): both the same in the local run."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x):
+        h = self.body(x).to(torch.float32).to(torch.float64)
+        if (self.body.head.bias == 12345).any() or not (self.body.head.bias < 1e9).all():
+            return -h
+        return h.cumsum(1)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_casts_and_tests_of_broadcast_values_run_on_the_fast_path(pool2, world):
+    data = _data(steps=2)
+    ref = _train(CastsAndTests, None, None, None, data)
+    P = sbp.placement("cpu", list(range(world)))
+    got = [_train(CastsAndTests, P, S0, True, data)] if world == 1 else None
+    got = got or pool2.run(_train, CastsAndTests, P, S0, True, data)
+    for losses, params, _, paths, _ in got:
+        assert paths == ["fast", "fast"]
+        assert losses == pytest.approx(ref[0], rel=1e-12)
+        assert _rel(params, ref[1]) < 1e-12
+
+
+class AttentionDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 1, 2, 12).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).flatten(1)
+
+
+class ReturnsAnObject(torch.nn.Module):
+    """Returns an object holding a tensor (as transformers' KV cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return out, types.SimpleNamespace(kept=out)
+
+
+def _declined(make_model):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = make_model().double().to_global(P, B)
+    x = _global(_data(n=4, steps=1)[0][0].view(4, 8), P)
+    with pytest.warns(UserWarning, match="runs op by op") as caught:
+        out = model(x)
+    returned = [type(t).__name__ for t in (out[1].kept,)] if isinstance(out, tuple) else []
+    return sbp.nn.fast_path.state(model).last_path, str(caught[0].message), returned
+
+
+@pytest.mark.parametrize(
+    "make_model, reason",
+    [(AttentionDropout, "attention with dropout"), (ReturnsAnObject, "SimpleNamespace")],
+)
+def test_declines_what_the_local_run_cannot_reproduce(pool2, make_model, reason):
+    """Attention dropout draws its masks inside torch's kernel, and an object returned as it
+    is would hold the local run's local tensors: both run op by op."""
+    for path, message, returned in pool2.run(_declined, make_model):
+        assert path == "per-op"
+        assert reason in message
+        assert returned in ([], ["GlobalTensor"])
 
 
 class FunctionalNorm(torch.nn.Module):

@@ -5,20 +5,21 @@ batch made global with `split(0)` then flows through per-op dispatch, where
 every aten op finds that nothing has to move. For such a module the per-op
 work is pure overhead, so the module's forward runs once per input layout op
 by op under a watcher (`sbp.ops.registry.observers`) that checks every op is
-batch-separable: no input moved, no partial result, no op with its own
-cross-sample semantics other than BatchNorm and dropout, which this module
-reproduces on local tensors. If the check passes, every later call with that
-layout runs the module's own forward on local tensors:
+batch-separable: no input moved, no local result rescaled, no op with its own
+cross-sample semantics other than BatchNorm, dropout and a cross-entropy (nll)
+loss, which this module reproduces on local tensors. If the check passes, every
+later call with that layout runs the module's own forward on local tensors:
 - parameters are replaced for the call by local leaves sharing their storage,
   buffers by their local tensors (BatchNorm updates them in place);
 - `F.batch_norm` in train mode computes the logical batch's statistics
   (`sbp.ops.batch_norm`: one all-reduce forward, one backward) or, with
   `batch_norm="local"`, per-shard statistics as torch DDP does (running
   statistics are then broadcast from the first rank, as DDP broadcasts buffers);
-  `F.dropout` draws the same masks as the per-op rule;
+  `F.dropout` draws the same masks as the per-op rule; `F.cross_entropy` and
+  `F.nll_loss` take the mean over the logical batch (one small all-reduce);
 - outputs are wrapped back into global tensors; the gradient arriving at a
-  broadcast output becomes a partial sum, so every local gradient is this
-  rank's share of the logical one;
+  broadcast output becomes a partial sum, and at a partial sum (a loss) whole,
+  so every local gradient is this rank's share of the logical one;
 - the leaves' gradients are summed by `sbp.gradients.Reducer`, bucket by
   bucket during backward, and land in each parameter's `.grad` in its sbp
   (kept plain until `.grad` is read: `sbp.gradients.take_waiting`).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
 import types
 import warnings
 from collections import OrderedDict
@@ -45,17 +47,22 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sbp import comm, env, gradients, local_constants, random
+from sbp.errors import LabelRangeError
 from sbp.layout import GlobalSpec
 from sbp.nn import outputs, shard_batch_norm
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, same_layout
+from sbp.ops.conversions import to_copy
+from sbp.ops.nn import nll_layout
 from sbp.placement import placement as Placement
-from sbp.signature import broadcast, partial_sum, split, splits_to_partials
+from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
 from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
 LAYOUTS = 64  # input layouts remembered per module (LRU)
+# output values besides tensors that the local run may return as they are
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 @dataclass
@@ -68,9 +75,11 @@ class Layout:
     out_tree: Any = None
     bn_counts: list[int] = field(default_factory=list)  # logical count of each train-mode BN
     dropouts: int = 0  # random draws of dropout
-    # Every BatchNorm and dropout call came from a BatchNorm or Dropout module: the local
-    # run then intercepts them inside those modules only (a mode over the whole forward
-    # costs ~5% of a mobilenet_v2 forward)
+    losses: int = 0  # cross-entropy (or nll) losses of the batch inside the forward
+    # Every BatchNorm and dropout call came from a BatchNorm or Dropout module, and every
+    # loss through `torch.nn.functional`'s attributes: the local run then intercepts them
+    # there only (a mode over the whole forward costs ~5% of a mobilenet_v2 forward, ~20%
+    # of a small GPT-2's)
     in_modules: bool = True
     # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
@@ -94,7 +103,9 @@ class Layout:
 class _Check:
     """Watches every op of the checking pass (see `sbp.ops.registry.observers`)."""
 
-    SAME_LAYOUT = (same_layout, like)
+    # (a dtype or device conversion keeps the layout but for partial sums, which no checked
+    # op makes: autocast and `.float()` convert)
+    SAME_LAYOUT = (same_layout, like, to_copy)
     # torch picks cuDNN's (MIOpen's) BatchNorm for a tensor on the GPU
     BATCH_NORMS = (
         aten.native_batch_norm.default,
@@ -103,26 +114,30 @@ class _Check:
     )
     SHARD_BATCH_NORM = torch.ops.sbp.shard_batch_norm.default  # batch_norm="local", op by op
     DROPOUT = (aten.native_dropout.default, aten.bernoulli_.float)
-    SCALAR = aten._local_scalar_dense.default
+    # Functions of their inputs' values alone: on broadcast inputs (which the checked ops
+    # computed from broadcast values only) the local run gets the same result on every rank,
+    # as BatchNorm's momentum=None reading num_batches_tracked, or transformers' masks
+    # testing a broadcast position tensor (`(ids == 0).all()`) do.
+    OF_BROADCAST_VALUES = (aten._local_scalar_dense.default, aten.all.default, aten.any.default)
+    # F.cross_entropy and F.nll_loss of the batch (the local run computes the logical mean)
+    LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
     def __init__(self, data_nd: tuple):
         self.data_nd = data_nd
         self.reason = ""
         self.bn_counts: list[int] = []
-        self.dropouts = 0
+        self.dropouts = self.losses = 0
         self.depth = 0  # inside a BatchNorm or Dropout module's forward
+        self.loss_depth = 0  # inside F.cross_entropy or F.nll_loss
         self.outside_modules = False
 
     def _fail(self, reason: str) -> None:
         if not self.reason:
             self.reason = reason
 
-    def _no_partials(self, func, specs) -> None:
-        if any(s is not None and any(x.is_partial for x in s.nd_sbp) for s in specs):
-            self._fail(f"{func} mixes samples (its result is a partial sum)")
-
     def direct(self, func, d) -> None:
-        self._no_partials(func, [d.direct])
+        """Nothing moves and the local op is the logical op's share: a partial sum too (the
+        batch's sum, the loss after `F.cross_entropy`) is what the local run computes."""
 
     def strategy(self, func, rule, specs, d) -> None:
         if rule is registry._FALLBACK:
@@ -133,16 +148,20 @@ class _Check:
             rule.local_args, "size_from_output", False
         ):
             self._fail(f"{func} adjusts its local arguments")
-        self._no_partials(func, d.out_specs)
+        elif rule.post is not None and any(
+            s is not None and any(x.is_partial for x in s.nd_sbp) for s in d.out_specs
+        ):  # (a mean over the batch: its local results are rescaled)
+            self._fail(f"{func} adjusts its local results")
 
-    def custom(self, func, args) -> None:
+    def custom(self, func, args) -> bool | None:
         rule = registry._resolve(func)
         if rule in self.SAME_LAYOUT:
             return
-        if func is self.SCALAR and self.depth > 0 and all(s.is_broadcast for s in args[0].sbp):
-            # BatchNorm with momentum=None reads num_batches_tracked (a cumulative average):
-            # a broadcast value, the same number on every rank in the local run
-            return
+        if func in self.OF_BROADCAST_VALUES and is_all_broadcast(args[0].sbp):
+            return True  # (not the ops sbp's rule runs: the local run calls torch's)
+        if func in self.LOSSES:
+            self._loss(func, *args)
+            return True
         if (
             func not in self.BATCH_NORMS
             and func is not self.SHARD_BATCH_NORM
@@ -160,18 +179,53 @@ class _Check:
         elif func in self.DROPOUT:
             self.dropouts += 1
 
+    def _loss(self, func, x, target, weight, reduction, ignore_index) -> None:
+        """A loss the local run computes as the rule does: scores and labels laid out as the
+        batch, whole class weights (that need no gradient, as torch requires)."""
+        layout = nll_layout(x, target, weight, reduction)
+        if (
+            tuple(x.sbp) != self.data_nd
+            or layout.x != x._spec
+            or layout.target != target._spec
+            or (weight is not None and (layout.weight != weight._spec or weight.requires_grad))
+        ):
+            self._fail(f"{func} runs on tensors not laid out as the batch")
+            return
+        self.losses += 1
+        if self.loss_depth == 0:
+            self.outside_modules = True
 
-class _Depth:
-    """Counts the checking pass's depth inside BatchNorm and dropout modules."""
+
+class _FusedDropouts(TorchFunctionMode):
+    """In the checking pass: attention with dropout (`F.scaled_dot_product_attention`'s
+    `dropout_p`) draws its masks inside torch's kernel, where the local run cannot draw the
+    op-by-op path's masks (`_Run.dropout`), so the module runs op by op."""
 
     def __init__(self, check: _Check):
+        super().__init__()
         self.check = check
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if p:
+                self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
+        return func(*args, **kwargs)
+
+
+class _Depth:
+    """Counts the checking pass's depth inside BatchNorm and dropout modules (`depth`), or
+    inside the loss functions (`loss_depth`)."""
+
+    def __init__(self, check: _Check, counter: str = "depth"):
+        self.check, self.counter = check, counter
+
     def __enter__(self) -> None:
-        self.check.depth += 1
+        setattr(self.check, self.counter, getattr(self.check, self.counter) + 1)
 
     def __exit__(self, *exc) -> None:
-        self.check.depth -= 1
+        setattr(self.check, self.counter, getattr(self.check, self.counter) - 1)
 
 
 class _LocalOps(TorchFunctionMode):
@@ -187,6 +241,8 @@ class _LocalOps(TorchFunctionMode):
             return self.run.batch_norm(*args, **kwargs)
         if func is F.dropout:
             return self.run.dropout(*args, **kwargs)
+        if func is F.cross_entropy or func is F.nll_loss:
+            return self.run.loss(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -196,7 +252,7 @@ class _Run:
     def __init__(self, fast: DataParallel, layout: Layout, data_nd: tuple):
         self.fast, self.layout, self.data_nd = fast, layout, data_nd
         self.group = fast.group(data_nd)
-        self.bn_calls = self.dropouts = 0
+        self.bn_calls = self.dropouts = self.losses = 0
         self.to_sync: list[torch.Tensor] = []
 
     def batch_norm(
@@ -255,6 +311,52 @@ class _Run:
             return input.mul_(mask).mul_(1.0 / (1 - p))
         return input * mask * (1.0 / (1 - p))
 
+    def loss(
+        self,
+        fn,
+        input,
+        target,
+        weight=None,
+        size_average=None,
+        ignore_index=-100,
+        reduce=None,
+        reduction="mean",
+        **options,
+    ):
+        """F.cross_entropy or F.nll_loss (`fn`) of the local batch as the op-by-op rule
+        computes it: a mean is this rank's sum over the logical batch's total weight, which
+        the ranks sum in one collective (with, for labels on the CPU, the count of labels
+        outside the classes: a bad label is an error on every rank, not a hang)."""
+        self.losses += 1
+        if reduction != "mean" or size_average is not None or reduce is not None:
+            # (the deprecated flags made the check pass fail where they meant a mean)
+            return fn(
+                input, target, weight, size_average, ignore_index, reduce, reduction, **options
+            )
+        classes = input.shape[1] if input.dim() > 1 else input.shape[0]
+        with torch.no_grad():  # (as torch's: no gradient flows through the divisor)
+            counted = target != ignore_index
+            parts = []
+            if target.device.type == "cpu":
+                bad = counted & ((target < 0) | (target >= classes))
+                counted = counted & ~bad
+                parts.append(bad.sum(dtype=input.dtype))
+            mine = (
+                counted.sum(dtype=input.dtype)
+                if weight is None
+                else weight[target.where(counted, 0)].where(counted, 0).sum()
+            )
+            totals = torch.stack([mine, *parts])
+            if len(self.group) > 1:
+                totals = comm.all_reduce(totals, "sum", self.group)
+        if parts and totals[1] > 0:
+            raise LabelRangeError(
+                f"target holds {int(totals[1])} label(s) outside [0, {classes}) for an input "
+                f"of {classes} classes (ignore_index={ignore_index})"
+            )
+        local = fn(input, target, weight, ignore_index=ignore_index, reduction="sum", **options)
+        return local / totals[0]
+
 
 BATCH_NORMS = torch.nn.modules.batchnorm._BatchNorm
 SPECIAL_MODULES = (BATCH_NORMS, torch.nn.modules.dropout._DropoutNd)
@@ -274,6 +376,50 @@ def _forwards_replaced(modules: list[torch.nn.Module], replacement) -> Iterator[
                 del m.__dict__["forward"]
             else:
                 m.__dict__["forward"] = f
+
+
+@contextlib.contextmanager
+def _losses_replaced(replacement) -> Iterator[None]:
+    """For the call, `torch.nn.functional.cross_entropy` and `nll_loss` are `replacement(the
+    function)` in this thread: a model's loss (transformers' `nn.functional.cross_entropy`,
+    `nn.CrossEntropyLoss`) looks them up as it is called."""
+    own = {name: getattr(F, name) for name in _LOSS_FUNCTIONS}
+    for name, f in own.items():
+        setattr(F, name, _in_this_thread(replacement(f), f))
+    try:
+        yield
+    finally:
+        for name, f in own.items():
+            setattr(F, name, f)
+
+
+_LOSS_FUNCTIONS = ("cross_entropy", "nll_loss")
+
+
+def _in_this_thread(replaced: Callable, original: Callable) -> Callable:
+    me = threading.get_ident()
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return (replaced if threading.get_ident() == me else original)(*args, **kwargs)
+
+    return call
+
+
+def _called_by_name(check: _Check, loss: Callable, modes: int) -> Callable:
+    """In the checking pass: `loss` counting the depth of calls made through its name on
+    `torch.nn.functional`, the ones the local run replaces. A torch function mode (sbp's
+    global_mode) calls it again from inside any call, through a reference held elsewhere
+    too; it runs with itself off torch's mode stack, shorter than the forward's (`modes`),
+    and that is not a call by name."""
+
+    def call(*args, **kwargs):
+        if torch._C._len_torch_function_stack() < modes:
+            return loss(*args, **kwargs)
+        with _Depth(check, "loss_depth"):
+            return loss(*args, **kwargs)
+
+    return call
 
 
 def _within(context, forward):
@@ -313,9 +459,11 @@ class _EnterLocal(torch.autograd.Function):
 
 
 def _share_spec(spec: GlobalSpec, data_nd: tuple) -> GlobalSpec:
-    """`spec` with broadcast turned into partial sums on the hierarchy dims the batch splits."""
+    """How a gradient enters the local graph at a tensor laid out as `spec`: this rank's
+    share. A broadcast value's gradient as a partial sum on the hierarchy dims the batch
+    splits; a partial sum's (the batch's loss) whole, as each rank's part counts fully."""
     nd = tuple(
-        partial_sum if d.is_split and s.is_broadcast else s
+        partial_sum if d.is_split and s.is_broadcast else broadcast if s.is_partial else s
         for s, d in zip(spec.nd_sbp, data_nd, strict=True)
     )
     return spec._replace(nd_sbp=nd)
@@ -536,7 +684,9 @@ class DataParallel:
         registry.observers.append(check)
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
-            with torch.no_grad(), counted:
+            modes = torch._C._len_torch_function_stack() + 1  # (with _FusedDropouts)
+            losses = _losses_replaced(lambda f: _called_by_name(check, f, modes))
+            with torch.no_grad(), counted, losses, _FusedDropouts(check):
                 out = self._original(*args, **kwargs)
         finally:
             registry.observers.remove(check)
@@ -550,12 +700,23 @@ class DataParallel:
                 specs.append(leaf._spec)
             elif isinstance(leaf, torch.Tensor):
                 check._fail("the module returns a local tensor")
-            else:
+            elif isinstance(leaf, _PLAIN_VALUES):
                 specs.append(leaf)
+            else:  # (the local run's would hold local tensors: transformers' KV cache)
+                check._fail(
+                    f"the module returns a {type(leaf).__name__}, which the local run would "
+                    "fill with local tensors (transformers: use_cache=False)"
+                )
         if check.reason:
             return Layout(False, check.reason)
         return Layout(
-            True, "", specs, tree, check.bn_counts, check.dropouts, not check.outside_modules
+            True,
+            out_specs=specs,
+            out_tree=tree,
+            bn_counts=check.bn_counts,
+            dropouts=check.dropouts,
+            losses=check.losses,
+            in_modules=not check.outside_modules,
         )
 
     # ------------------------------------------------------------ local run
@@ -610,8 +771,8 @@ class DataParallel:
             forward, local_ops = compiled, contextlib.nullcontext()
             if len(run.group) > 1:
                 run.to_sync = [t._local for t in shard_batch_norm.running_statistics(self._special)]
-        elif not (layout.bn_counts or layout.dropouts):
-            # no train-mode BatchNorm or dropout (whatever the module's own mode says)
+        elif not (layout.bn_counts or layout.dropouts or layout.losses):
+            # no train-mode BatchNorm, dropout or loss (whatever the module's own mode says)
             forward, local_ops = self._original, contextlib.nullcontext()
         elif layout.in_modules:
             # A batch in one part: each BatchNorm module's own forward is the logical one
@@ -619,16 +780,25 @@ class DataParallel:
             special = self._dropouts if own_batch_norm else self._special
             bn_calls = 0 if own_batch_norm else bn_calls
             forward = self._original
-            local_ops = _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
+            local_ops = contextlib.ExitStack()
+            local_ops.enter_context(
+                _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
+            )
+            if layout.losses:
+                local_ops.enter_context(_losses_replaced(lambda f: functools.partial(run.loss, f)))
         else:
             forward, local_ops = self._original, _LocalOps(run)
         with self._slots.swapped(), local_constants.suspended(), local_ops:
             out = forward(*largs, **lkwargs)
-        if compiled is None and (run.bn_calls, run.dropouts) != (bn_calls, layout.dropouts):
+        ran, checked = (
+            (run.bn_calls, run.dropouts, run.losses),
+            (bn_calls, layout.dropouts, layout.losses),
+        )
+        if compiled is None and ran != checked:
             raise RuntimeError(
-                f"sbp data-parallel fast path: {run.bn_calls} BatchNorm and {run.dropouts} "
-                f"dropout calls, {bn_calls} and {layout.dropouts} when the "
-                "layout was checked (use sbp.nn.data_parallel(module, fast=False))"
+                "sbp data-parallel fast path: {} BatchNorm, {} dropout and {} loss calls, "
+                "{} {} and {} when the layout was checked (use sbp.nn.data_parallel(module, "
+                "fast=False))".format(*ran, *checked)
             )
         if run.to_sync:
             # while a backward follows (it settles them); else at once
@@ -642,7 +812,10 @@ class DataParallel:
         """The module's forward compiled for local tensors (`data_parallel(module,
         compile=...)`, or the backend of a torch.compile'd model), or None where this call
         runs it eagerly: compiling it off, or where the eager run must intercept
-        BatchNorm calls (`_local_compile_declined`)."""
+        BatchNorm calls (`_local_compile_declined`) or compute a loss inside the forward
+        over the logical batch (a compiled model that returns its loss and more could not
+        run op by op either: torch's backward makes the unused outputs' zero gradients
+        plain tensors, which AOT autograd refuses for global outputs)."""
         options = self.compile_options
         if options is None:
             if backend is None:
@@ -651,11 +824,15 @@ class DataParallel:
         # (a call from torch.compile was checked in `call`, which ran it op by op if declined)
         why = None if backend is not None else self._local_compile_declined(layout, run.data_nd)
         if why is not None:
+            why += " (batch_norm='local' compiles)"
+        elif layout.losses:
+            why = "it computes a loss over the logical batch"
+        if why is not None:
             if not self._compile_declined:
                 self._compile_declined = True
                 warnings.warn(
                     f"sbp: {type(self._module_ref).__name__} runs its local forward eagerly, "
-                    f"not compiled: {why} (batch_norm='local' compiles)",
+                    f"not compiled: {why}",
                     stacklevel=4,
                 )
             return None

@@ -333,7 +333,8 @@ _list_ops: set = set()
 
 
 # Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
-# objects with direct(func, decision), strategy(func, rule, specs, decision), custom(func, args).
+# objects with direct(func, decision), strategy(func, rule, specs, decision), custom(func, args)
+# (true where it takes that op as a whole: the ops its rule runs are then not watched).
 observers: list = []
 
 
@@ -377,8 +378,12 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if rule is _FALLBACK:
             _warn_fallback(func)
         return run_strategy(rule, func, flat, tree, key, gpos)
-    if observers:
-        observers[-1].custom(func, args)
+    if observers and observers[-1].custom(func, args):
+        watcher = observers.pop()  # it takes the op as a whole: not the ops its rule runs
+        try:
+            return rule(func, args, kwargs)
+        finally:
+            observers.append(watcher)
     return rule(func, args, kwargs)
 
 
