@@ -71,7 +71,8 @@ def make_model(args: argparse.Namespace, tokenizer: CharTokenizer) -> GPT2LMHead
         attn_pdrop=args.dropout,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        # (no pad_token_id, as GPT-2's own config: given one, transformers looks for pads in
+        # the whole batch's input_ids, which the fast path cannot split, and runs op by op)
     )
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(config)
@@ -125,23 +126,33 @@ def main(argv: list[str] | None = None) -> None:
             truncation=True,
             max_length=args.seq_len,
         )
-        input_batch = {k: v.to(device) for k, v in input_batch.items()}
-        input_batch = sbp.to_global(input_batch, P, sbp.split(0))
+        # Padding is on the right and attention causal: no real token attends to a pad, so
+        # the model needs no attention_mask, and the pads' labels are -100 (not learnt).
+        labels = input_batch["input_ids"].masked_fill(input_batch["attention_mask"] == 0, -100)
+        batch = {"input_ids": input_batch["input_ids"], "labels": labels}
+        batch = sbp.to_global({k: v.to(device) for k, v in batch.items()}, P, sbp.split(0))
         with sbp.global_mode(P):
-            loss = model(**input_batch, labels=input_batch["input_ids"]).loss
+            # The model, its loss included, runs on each rank's shard (sbp's data-parallel
+            # fast path). It runs op by op, as exact but slower, given an attention_mask
+            # (transformers tests the whole batch for padding) or a KV cache to return
+            # (use_cache: it would hold the shards' local tensors).
+            loss = model(**batch, use_cache=False).loss
         loss.backward()
         optimizer.step()
         value = loss.item()
         if rank == 0:
             print(f"step {step} loss {value!r}", flush=True)
 
+    if rank == 0:  # "fast": on the local shards (sbp/nn/fast_path.py), "per-op": op by op
+        print(f"training ran {sbp.nn.fast_path.state(model).last_path}", flush=True)
+
     # 1.6 save the trained model (plain tensors, from rank 0) and load it back
     state_dict = {k: v.full_tensor() for k, v in model.state_dict().items()}
     probe = tokenizer([CORPUS[: args.seq_len]], max_length=args.seq_len)
     model.eval()
     with torch.no_grad(), sbp.global_mode(P):
-        g = sbp.to_global({k: v.to(device) for k, v in probe.items()}, P, sbp.broadcast)
-        trained = model(**g, labels=g["input_ids"]).loss.item()
+        ids = sbp.to_global(probe["input_ids"].to(device), P, sbp.broadcast)  # (no padding)
+        trained = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
     if rank == 0:
         model.save_pretrained(args.save_dir, state_dict=state_dict)
         loaded = GPT2LMHeadModel.from_pretrained(args.save_dir, dtype=getattr(torch, args.dtype))

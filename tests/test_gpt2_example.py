@@ -1,6 +1,7 @@
 """examples/gpt2_data_parallel.py on 2 processes through the launcher: its losses equal plain
-torch training on one process on the same global batches (dropout 0), and the saved model
-reloads with `from_pretrained` to the trained model's loss."""
+torch training on one process on the same global batches (dropout 0), training runs on the
+data-parallel fast path (the loss `labels=` asks for included), and the saved model reloads
+with `from_pretrained` to the trained model's loss."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def _reference_losses(ex, world: int) -> tuple[list[float], float]:
     for batches in zip(*loaders, strict=True):
         texts = [t for b in batches for t in b]
         inputs = tok(texts, padding="max_length", truncation=True, max_length=args.seq_len)
+        labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
         model.zero_grad()
-        loss = model(**inputs, labels=inputs["input_ids"]).loss
+        loss = model(input_ids=inputs["input_ids"], labels=labels).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -82,6 +84,7 @@ def test_gpt2_example_matches_one_process_and_reloads(tmp_path):
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err[-4000:]}"
 
+    assert "training ran fast" in out, out  # the loss inside the forward: on the fast path
     losses = [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", out, re.M)]
     assert len(losses) == len(ref_losses) == 3, out
     assert losses[-1] < losses[0]
