@@ -258,15 +258,22 @@ ROWS = {
     "glu": Row([(6, 4)], lambda x: (F.glu(x), F.glu(x, 0)), [(S0,), (S1,), (B,)]),
     "scans": Row(  # along a dim: a split of any other stays (transformers' packed masks)
         [(5, 4, 3)],
-        lambda x: (
-            x.cumsum(1),
-            x.cumprod(2),
-            x.logcumsumexp(0),
-            x.cummax(1).values,
-            x.cummin(-1).values,
-        ),
+        lambda x: (x.cumsum(1), x.logcumsumexp(0)),
         [(S0,), (S1,), (S2,), (B,)],
         two_d=[((S0, S2),)],
+    ),
+    "cumprod_cummax_cummin": Row(
+        [(5, 4, 3)],
+        lambda x: (x.cumprod(2), x.cummax(1).values, x.cummin(-1).values, x.cummax(0).indices),
+        [(S0,), (S1,), (S2,), (B,)],
+        # (torch 2.11's backward ops are composites making tensors in C++, plain: not global)
+        grad=torch.__version__ >= "2.12",
+    ),
+    "index_unindexed_split": Row(  # a split of a dim the indices skip stays
+        [(6, 5, 4), ("int", (3,), 4)],
+        lambda x, i: (x[:, i], x[..., i], x[:, [-1, 0]], x[:, i, i.flip(0)], x[i, :, i]),
+        [(S0, B), (S2, B), (S1, B), (P, B), (S0, S0)],
+        two_d=[((S0, S2), (B, B))],
     ),
     "cumsum_partial": Row([(5, 4)], lambda x: x.cumsum(0), [(P,), (S1,)]),
     "cat_empty_1d": Row(  # torch's cat skips an empty 1-D tensor (a KV cache's first cat;

@@ -232,26 +232,58 @@ def splitting(call: Call) -> list[Strategy]:
     return mapped(pairs, 1, n_out)
 
 
+def _unindexed_dims(ndim: int, indices: list) -> dict[int, int]:
+    """Where advanced indexing puts each dim of x it does not index (input dim: output dim),
+    for integer indices on adjacent dims (`x[:, idx]`, `x[..., i, j]`): the indexed block
+    becomes the indices' broadcast shape in place. Else (indices apart, masks) none."""
+    at = [k for k, i in enumerate(indices) if i is not None]
+    if not at or at != list(range(at[0], at[-1] + 1)):
+        return {}
+    if any(indices[k].dtype in (torch.bool, torch.uint8) for k in at):
+        return {}
+    block = len(torch.broadcast_shapes(*(tuple(indices[k].shape) for k in at)))
+    first, last = at[0], at[-1]
+    return {
+        d: d if d < first else d - (last - first + 1) + block
+        for d in range(ndim)
+        if d < first or d > last
+    }
+
+
+def _meta_index(index, local: torch.Tensor) -> torch.Tensor:
+    """An index for finding the output's shape: integer indices by their logical shape (a
+    rank outside the placement holds none), masks by their values (whole on this rank)."""
+    if local.dtype in (torch.bool, torch.uint8):
+        return local.to("meta")
+    return torch.empty(tuple(index.shape), dtype=local.dtype, device="meta")
+
+
 @register(aten.index.Tensor)
 def index(func, args, kwargs):
-    """Advanced indexing with global or local (constant) integer indices: run on broadcast
-    values (or partial sums: indexing is linear)."""
+    """Advanced indexing with global or local (constant) integer indices: on the indices'
+    whole values, with x split where a dim it does not index is (`input_ids[:, [-1, 0]]`
+    of a split batch), else broadcast (or a partial sum: indexing is linear)."""
     from sbp.tensor import GlobalTensor
 
     x, indices = args[0], args[1]
-    nd = tuple(s if s.is_partial else broadcast for s in x.sbp)
-    x = rebox(x, nd)
-    allb = (broadcast,) * len(nd)
+    kept = _unindexed_dims(len(x.shape), indices)  # (logical shapes: alike on every rank)
+    allb = (broadcast,) * len(x.sbp)
     local_idx = [
         None if i is None else rebox(i, allb)._local if isinstance(i, GlobalTensor) else i
         for i in indices
     ]
+    nd = tuple(s if s.is_partial or (s.is_split and s.dim in kept) else broadcast for s in x.sbp)
+    x = rebox(x, nd)
     spec = x._spec
     meta = func(
         torch.empty(spec.shape, dtype=spec.dtype, device="meta"),
-        [None if i is None else i.to("meta") for i in local_idx],
+        [
+            None if i is None else _meta_index(i, li)
+            for i, li in zip(indices, local_idx, strict=True)
+        ],
     )
-    out_spec = spec._replace(shape=tuple(meta.shape))
+    out_nd = tuple(split(kept[s.dim]) if s.is_split else s for s in nd)
+    out_spec = spec._replace(shape=tuple(meta.shape), nd_sbp=out_nd)
     if env.get_rank() not in spec.placement:
         return GlobalTensor(empty_local(out_spec), out_spec)
     return GlobalTensor(
