@@ -160,10 +160,14 @@ def as_broadcast(local: torch.Tensor, P: Placement):
 
 def _called_by_sbp() -> bool:
     """Was the factory called by sbp's own machinery (not a user's script, model or test
-    helper)? The first caller outside torch's own Python code decides: a model's forward
+    helper)? The first caller outside torch's own Python code and torch function modes
+    (which pass calls on: the fast path's checking pass has one) decides: a model's forward
     run by sbp (the data-parallel fast path) still makes global constants."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith("torch")
+        or frame.f_code.co_name == "__torch_function__"
+    ):
         frame = frame.f_back
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
     return name.startswith("sbp.") and not name.startswith(("sbp.testing", __name__))

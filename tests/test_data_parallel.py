@@ -918,12 +918,17 @@ class LossInside(torch.nn.Module):
         elif self.kind == "nll":
             loss = F.nll_loss(F.log_softmax(logits, 1), y, ignore_index=1)
         elif self.kind == "sum":
-            loss = F.cross_entropy(logits, y, reduction="sum") / 4
+            loss = F.cross_entropy(logits, y, reduction="sum")
         elif self.kind == "captured":  # not looked up on torch.nn.functional: a mode finds it
             loss = _CROSS_ENTROPY(logits, y, ignore_index=2)
+        elif self.kind == "legacy":  # the deprecated flags meaning a mean
+            loss = F.cross_entropy(logits, y, size_average=True)
+        elif self.kind == "device":  # under another torch function mode, which calls it again
+            with torch.device("cpu"):
+                loss = F.cross_entropy(logits, y, ignore_index=0)
         else:
             loss = F.cross_entropy(logits, y, ignore_index=0)
-        return logits, loss * 2  # (an op on the loss: a partial sum stays one)
+        return logits, loss
 
 
 def _train_loss_inside(kind, world, fast):
@@ -955,7 +960,7 @@ def _train_loss_inside(kind, world, fast):
     return losses, params, paths, kinds
 
 
-@pytest.mark.parametrize("kind", ["mean", "weight", "nll", "sum", "captured"])
+@pytest.mark.parametrize("kind", ["mean", "weight", "nll", "sum", "captured", "legacy", "device"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_loss_inside_the_forward_runs_on_the_fast_path(pool2, pool4, kind, world):
     """The forward returns a cross-entropy (nll) of its labels: after the check, it runs on
@@ -1006,6 +1011,103 @@ def test_torch_compile_of_a_model_with_its_loss_inside():
     assert sbp.nn.fast_path.state(model).last_path == "fast"
     assert losses == pytest.approx(ref_losses, rel=1e-12)
     assert _rel(_gather(model), ref_params) < 1e-12
+
+
+class HandWrittenMean(torch.nn.Module):
+    """A mean written as the batch's sum over its size: the check reads the logical size,
+    the local run would read the local one, so it must run op by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x):
+        h = self.body(x)
+        return h - (h.sum(0) / h.shape[0]).long().double()
+
+
+def test_a_hand_written_mean_of_the_batch_runs_op_by_op(pool2):
+    data = _data(steps=2)
+    ref = _train(HandWrittenMean, None, None, None, data)
+    got = pool2.run(_train, HandWrittenMean, sbp.placement("cpu", [0, 1]), S0, True, data)
+    for losses, params, _, paths, _ in got:
+        assert paths == ["per-op", "per-op"]
+        assert losses == pytest.approx(ref[0], rel=1e-12)
+        assert _rel(params, ref[1]) < 1e-12
+
+
+def test_loss_names_are_torch_s_again_after_overlapping_calls_in_two_threads():
+    """The names `torch.nn.functional.cross_entropy` / `nll_loss` route each thread's calls
+    to its own handler while any thread needs them, and are torch's again after the last."""
+    import threading
+
+    from sbp.nn import fast_path
+
+    original = F.cross_entropy
+    logits, labels = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    seen, a_in, b_in, a_out = {}, threading.Event(), threading.Event(), threading.Event()
+
+    def handler(who):
+        def call(loss, *args, **kwargs):
+            seen.setdefault(who, []).append(loss is original)
+            return loss(*args, **kwargs) * 0
+
+        return call
+
+    def thread_b():
+        a_in.wait(10)
+        with fast_path._losses_replaced(handler("B")):
+            b_in.set()
+            a_out.wait(10)
+            seen["B value"] = F.cross_entropy(logits, labels).item()
+
+    t = threading.Thread(target=thread_b)
+    t.start()
+    with fast_path._losses_replaced(handler("A")):
+        a_in.set()
+        b_in.wait(10)
+        seen["A value"] = F.cross_entropy(logits, labels).item()
+    seen["main after A"] = F.cross_entropy(logits, labels).item()  # B's call still on
+    a_out.set()
+    t.join()
+    assert F.cross_entropy is original and F.nll_loss is fast_path._LOSS_NAMES["saved"]["nll_loss"]
+    assert seen["A"] == seen["B"] == [True]
+    assert seen["A value"] == seen["B value"] == 0
+    assert seen["main after A"] == pytest.approx(original(logits, labels).item())
+
+
+class MakesATrainedFactory(torch.nn.Module):
+    """Under global_mode, a factory inside the forward is global in the checking pass too."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x):
+        scale = torch.ones(3, dtype=x.dtype, requires_grad=True)
+        return self.body(x) * scale + torch.arange(3, dtype=x.dtype)
+
+
+def _factory_in_forward():
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = MakesATrainedFactory().double().to_global(P, B)
+    x = _global(_data(steps=1)[0][0], P)
+    with sbp.global_mode(P):
+        out = [model(x).full_tensor() for _ in range(2)]
+    return sbp.nn.fast_path.state(model).last_path, out
+
+
+def test_global_mode_factories_in_the_forward(pool2):
+    torch.manual_seed(0)
+    model = MakesATrainedFactory().double()
+    want = model(_data(steps=1)[0][0])
+    for path, outs in pool2.run(_factory_in_forward):
+        assert path == "fast"
+        for out in outs:
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
 class CastsAndTests(torch.nn.Module):

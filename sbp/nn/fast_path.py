@@ -5,7 +5,7 @@ batch made global with `split(0)` then flows through per-op dispatch, where
 every aten op finds that nothing has to move. For such a module the per-op
 work is pure overhead, so the module's forward runs once per input layout op
 by op under a watcher (`sbp.ops.registry.observers`) that checks every op is
-batch-separable: no input moved, no local result rescaled, no op with its own
+batch-separable: no input moved, no partial result, no op with its own
 cross-sample semantics other than BatchNorm, dropout and a cross-entropy (nll)
 loss, which this module reproduces on local tensors. If the check passes, every
 later call with that layout runs the module's own forward on local tensors:
@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -103,8 +104,7 @@ class Layout:
 class _Check:
     """Watches every op of the checking pass (see `sbp.ops.registry.observers`)."""
 
-    # (a dtype or device conversion keeps the layout but for partial sums, which no checked
-    # op makes: autocast and `.float()` convert)
+    # (a dtype or device conversion keeps the layout: autocast and `.float()` convert)
     SAME_LAYOUT = (same_layout, like, to_copy)
     # torch picks cuDNN's (MIOpen's) BatchNorm for a tensor on the GPU
     BATCH_NORMS = (
@@ -135,9 +135,15 @@ class _Check:
         if not self.reason:
             self.reason = reason
 
+    def _no_partials(self, func, specs) -> None:
+        """A partial sum mixes samples: the local run's part of it may differ from the
+        rule's (`h.sum(0) / h.shape[0]` reads the logical size in the check, the local one
+        in the local run). Only the losses the local run computes itself make one."""
+        if any(s is not None and any(x.is_partial for x in s.nd_sbp) for s in specs):
+            self._fail(f"{func} mixes samples (its result is a partial sum)")
+
     def direct(self, func, d) -> None:
-        """Nothing moves and the local op is the logical op's share: a partial sum too (the
-        batch's sum, the loss after `F.cross_entropy`) is what the local run computes."""
+        self._no_partials(func, [d.direct])
 
     def strategy(self, func, rule, specs, d) -> None:
         if rule is registry._FALLBACK:
@@ -148,14 +154,12 @@ class _Check:
             rule.local_args, "size_from_output", False
         ):
             self._fail(f"{func} adjusts its local arguments")
-        elif rule.post is not None and any(
-            s is not None and any(x.is_partial for x in s.nd_sbp) for s in d.out_specs
-        ):  # (a mean over the batch: its local results are rescaled)
-            self._fail(f"{func} adjusts its local results")
+        self._no_partials(func, d.out_specs)
 
     def custom(self, func, args) -> bool | None:
         rule = registry._resolve(func)
         if rule in self.SAME_LAYOUT:
+            self._no_partials(func, [args[0]._spec])  # (a loss converted: op by op)
             return
         if func in self.OF_BROADCAST_VALUES and is_all_broadcast(args[0].sbp):
             return True  # (not the ops sbp's rule runs: the local run calls torch's)
@@ -253,6 +257,7 @@ class _Run:
         self.fast, self.layout, self.data_nd = fast, layout, data_nd
         self.group = fast.group(data_nd)
         self.bn_calls = self.dropouts = self.losses = 0
+        self.in_loss = False
         self.to_sync: list[torch.Tensor] = []
 
     def batch_norm(
@@ -326,12 +331,28 @@ class _Run:
         """F.cross_entropy or F.nll_loss (`fn`) of the local batch as the op-by-op rule
         computes it: a mean is this rank's sum over the logical batch's total weight, which
         the ranks sum in one collective (with, for labels on the CPU, the count of labels
-        outside the classes: a bad label is an error on every rank, not a hang)."""
-        self.losses += 1
-        if reduction != "mean" or size_average is not None or reduce is not None:
-            # (the deprecated flags made the check pass fail where they meant a mean)
+        outside the classes: a bad label is an error on every rank, not a hang).
+
+        Soft (probability) targets pass as they are: they make no `nll_loss` op, and the
+        check refused their mean (a partial sum). So does a call made again from inside
+        this one (a torch function mode hands `fn` back to its name)."""
+        if self.in_loss or target.is_floating_point():
             return fn(
                 input, target, weight, size_average, ignore_index, reduce, reduction, **options
+            )
+        self.losses += 1
+        if size_average is not None or reduce is not None:  # (deprecated: what they mean)
+            reduction = _reduction.legacy_get_string(size_average, reduce)
+        self.in_loss = True
+        try:
+            return self._loss(fn, input, target, weight, ignore_index, reduction, options)
+        finally:
+            self.in_loss = False
+
+    def _loss(self, fn, input, target, weight, ignore_index, reduction, options):
+        if reduction != "mean":  # (this rank's sum is its part; none is per sample)
+            return fn(
+                input, target, weight, ignore_index=ignore_index, reduction=reduction, **options
             )
         classes = input.shape[1] if input.dim() > 1 else input.shape[0]
         with torch.no_grad():  # (as torch's: no gradient flows through the divisor)
@@ -379,41 +400,57 @@ def _forwards_replaced(modules: list[torch.nn.Module], replacement) -> Iterator[
 
 
 @contextlib.contextmanager
-def _losses_replaced(replacement) -> Iterator[None]:
-    """For the call, `torch.nn.functional.cross_entropy` and `nll_loss` are `replacement(the
-    function)` in this thread: a model's loss (transformers' `nn.functional.cross_entropy`,
-    `nn.CrossEntropyLoss`) looks them up as it is called."""
-    own = {name: getattr(F, name) for name in _LOSS_FUNCTIONS}
-    for name, f in own.items():
-        setattr(F, name, _in_this_thread(replacement(f), f))
+def _losses_replaced(handler: Callable) -> Iterator[None]:
+    """For the call, in this thread, `torch.nn.functional.cross_entropy(...)` and
+    `nll_loss(...)` are `handler(the function, ...)`: a model's loss (transformers'
+    `nn.functional.cross_entropy`, `nn.CrossEntropyLoss`) looks them up as it is called.
+    The names stay replaced while any thread's call is on; each thread's calls go to its
+    innermost handler, or to torch's function where it has none."""
+    handlers = _LOSS_HANDLERS.__dict__.setdefault("stack", [])
+    with _LOSS_NAMES_LOCK:
+        if not _LOSS_NAMES["users"]:
+            _LOSS_NAMES["saved"] = {name: getattr(F, name) for name in _LOSS_FUNCTIONS}
+            for name, f in _LOSS_NAMES["saved"].items():
+                setattr(F, name, _routed(f))
+        _LOSS_NAMES["users"] += 1
+    handlers.append(handler)
     try:
         yield
     finally:
-        for name, f in own.items():
-            setattr(F, name, f)
+        handlers.pop()
+        with _LOSS_NAMES_LOCK:
+            _LOSS_NAMES["users"] -= 1
+            if not _LOSS_NAMES["users"]:
+                for name, f in _LOSS_NAMES["saved"].items():
+                    setattr(F, name, f)
 
 
 _LOSS_FUNCTIONS = ("cross_entropy", "nll_loss")
+_LOSS_HANDLERS = threading.local()  # .stack: this thread's handlers, innermost last
+_LOSS_NAMES_LOCK = threading.Lock()
+# users: calls (all threads) inside `_losses_replaced`; saved: the names' functions before
+_LOSS_NAMES: dict = {"users": 0, "saved": {}}
 
 
-def _in_this_thread(replaced: Callable, original: Callable) -> Callable:
-    me = threading.get_ident()
-
+def _routed(original: Callable) -> Callable:
     @functools.wraps(original)
     def call(*args, **kwargs):
-        return (replaced if threading.get_ident() == me else original)(*args, **kwargs)
+        handlers = getattr(_LOSS_HANDLERS, "stack", None)
+        if not handlers:
+            return original(*args, **kwargs)
+        return handlers[-1](original, *args, **kwargs)
 
     return call
 
 
-def _called_by_name(check: _Check, loss: Callable, modes: int) -> Callable:
-    """In the checking pass: `loss` counting the depth of calls made through its name on
-    `torch.nn.functional`, the ones the local run replaces. A torch function mode (sbp's
-    global_mode) calls it again from inside any call, through a reference held elsewhere
-    too; it runs with itself off torch's mode stack, shorter than the forward's (`modes`),
-    and that is not a call by name."""
+def _called_by_name(check: _Check, modes: int) -> Callable:
+    """In the checking pass: a loss handler counting the depth of calls made through the
+    loss's name on `torch.nn.functional`, the ones the local run replaces. A torch function
+    mode (sbp's global_mode) calls the name again from inside any call, through a reference
+    held elsewhere too; it runs with itself off torch's mode stack, shorter than the
+    forward's (`modes`), and that is not a call by name."""
 
-    def call(*args, **kwargs):
+    def call(loss, *args, **kwargs):
         if torch._C._len_torch_function_stack() < modes:
             return loss(*args, **kwargs)
         with _Depth(check, "loss_depth"):
@@ -685,7 +722,7 @@ class DataParallel:
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
             modes = torch._C._len_torch_function_stack() + 1  # (with _FusedDropouts)
-            losses = _losses_replaced(lambda f: _called_by_name(check, f, modes))
+            losses = _losses_replaced(_called_by_name(check, modes))
             with torch.no_grad(), counted, losses, _FusedDropouts(check):
                 out = self._original(*args, **kwargs)
         finally:
@@ -785,7 +822,7 @@ class DataParallel:
                 _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
             )
             if layout.losses:
-                local_ops.enter_context(_losses_replaced(lambda f: functools.partial(run.loss, f)))
+                local_ops.enter_context(_losses_replaced(run.loss))
         else:
             forward, local_ops = self._original, _LocalOps(run)
         with self._slots.swapped(), local_constants.suspended(), local_ops:
