@@ -960,6 +960,7 @@ def _train_loss_inside(kind, world, fast):
     return losses, params, paths, kinds
 
 
+@pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated")
 @pytest.mark.parametrize("kind", ["mean", "weight", "nll", "sum", "captured", "legacy", "device"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_loss_inside_the_forward_runs_on_the_fast_path(pool2, pool4, kind, world):
