@@ -6,7 +6,9 @@ one process on the logical batch; float64 so that 1e-12 separates semantics from
 rounding.
 """
 
+import contextlib
 import copy
+import functools
 import sys
 import types
 
@@ -1109,6 +1111,45 @@ def test_global_mode_factories_in_the_forward(pool2):
         assert path == "fast"
         for out in outs:
             torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+class ExpandsToTheBatch(torch.nn.Module):
+    """Broadcast values expanded to the batch and joined to it, as transformers' token type
+    embeddings and a ViT's class token are: `size` is where the batch size comes from."""
+
+    def __init__(self, size="input"):
+        super().__init__()
+        self.body, self.size = MLP(), size
+        self.token = torch.nn.Parameter(torch.randn(1, 3))
+        self.register_buffer("types", torch.zeros(1, 8))
+
+    def forward(self, x):
+        n = 10 if self.size == "hard-coded" else x.shape[0]  # (10: the logical batch)
+        h = self.body(x + self.types.expand(n, -1))
+        out = torch.cat([self.token.expand(n, -1), h], dim=1)
+        if self.size == "arange":  # not the same in every row: each rank's rows differ
+            mode = sbp.global_mode(x.placement) if x.is_global else contextlib.nullcontext()
+            with mode:
+                out = out + torch.arange(n, dtype=x.dtype)[:, None]
+        return out
+
+
+@pytest.mark.parametrize("size", ["input", "hard-coded", "arange"])
+def test_broadcast_values_expanded_to_the_batch(pool2, size):
+    """Expanded from the input's batch size, they run on the fast path; from a hard-coded
+    one, its first local run fails on the shard's shapes and is undone: op by op; a value
+    that differs along the batch (arange) is refused by the check. All equal one process."""
+    data = _data(steps=2)
+    make = functools.partial(ExpandsToTheBatch, size)
+    ref = _train(make, None, None, None, data)
+
+    want = ["fast", "fast"] if size == "input" else ["per-op", "per-op"]
+    for losses, params, _, paths, _ in pool2.run(
+        _train, make, sbp.placement("cpu", [0, 1]), S0, True, data
+    ):
+        assert paths == want
+        assert losses == pytest.approx(ref[0], rel=1e-12)
+        assert _rel(params, ref[1]) < 1e-12
 
 
 class CastsAndTests(torch.nn.Module):

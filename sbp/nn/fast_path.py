@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sbp import comm, env, gradients, local_constants, random
-from sbp.errors import LabelRangeError
+from sbp.errors import LabelRangeError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.nn import outputs, shard_batch_norm
 from sbp.ops import batch_norm, registry
@@ -85,6 +85,7 @@ class Layout:
     # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
     exits: tuple | None = None
+    tried: bool = False  # a local run of it completed (`DataParallel._first_local_run`)
 
     def exits_on(self, rank: int, data_nd: tuple) -> list:
         """Each global output's local shape on `rank` and the spec its gradient comes in."""
@@ -145,16 +146,40 @@ class _Check:
     def direct(self, func, d) -> None:
         self._no_partials(func, [d.direct])
 
-    def strategy(self, func, rule, specs, d) -> None:
+    def strategy(self, func, rule, args, d) -> None:
+        """`args`: the op's global inputs."""
         if rule is registry._FALLBACK:
             self._fail(f"{func} has no SBP rule")
-        elif tuple(specs) != d.in_specs:
+        elif not all(map(self._in_place_or_sliced, args, d.in_specs)):
             self._fail(f"{func} needs its inputs moved")
         elif rule.local_args is not None and not getattr(
             rule.local_args, "size_from_output", False
         ):
             self._fail(f"{func} adjusts its local arguments")
         self._no_partials(func, d.out_specs)
+
+    def _in_place_or_sliced(self, g: GlobalTensor, need: GlobalSpec) -> bool:
+        """Is `g` laid out as the op needs it, or broadcast and needed split on the batch's
+        hierarchy dims along a dim it is constant along? The latter is a broadcast value
+        expanded to the batch (transformers' token type ids, a ViT's class token): the
+        local run makes it for its own shard, from the local batch size, as it does the
+        shapes of views (a hard-coded batch size is refused at the output)."""
+        spec = g._spec
+        if spec == need:
+            return True
+        if need._replace(nd_sbp=spec.nd_sbp) != spec or not is_all_broadcast(spec.nd_sbp):
+            return False
+        dims = set()
+        for s, batch in zip(need.nd_sbp, self.data_nd, strict=True):
+            if s.is_split and batch.is_split:
+                dims.add(s.dim)
+            elif not s.is_broadcast:
+                return False
+        local = g._local
+        return all(
+            torch.equal(local, local.narrow(k, 0, min(1, local.shape[k])).expand_as(local))
+            for k in dims
+        )
 
     def custom(self, func, args) -> bool | None:
         rule = registry._resolve(func)
@@ -649,7 +674,33 @@ class DataParallel:
         ):
             return self._per_op(args, kwargs, backend)
         self.last_path = "fast"
-        return self._run_local(args, kwargs, layout, data_nd, backend)
+        if layout.tried:
+            return self._run_local(args, kwargs, layout, data_nd, backend)
+        return self._first_local_run(args, kwargs, layout, data_nd, backend)
+
+    def _first_local_run(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
+        """A layout's first local run, undone if it raises: the module then runs op by op,
+        as for a failed check. A forward that makes a batch-sized tensor with a hard-coded
+        batch size passes the check (the logical size is the batch's there) and fails on
+        the local shard's shapes."""
+        saved = [b._local.clone() for b in self._slots.buffers]
+        rng = dict(random._state)
+        try:
+            out = self._run_local(args, kwargs, layout, data_nd, backend)
+        except (RuntimeError, ValueError, IndexError) as e:
+            if isinstance(e, SbpError):
+                raise
+            for b, s in zip(self._slots.buffers, saved, strict=True):
+                b._local.copy_(s)
+            random._state.update(rng)
+            layout.ok, layout.reason = False, f"its local run failed ({type(e).__name__}: {e})"
+            warnings.warn(
+                f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
+                stacklevel=4,
+            )
+            return self._per_op(args, kwargs, backend)
+        layout.tried = True
+        return out
 
     def _per_op(self, args, kwargs, backend=None):
         self.last_path = "per-op"

@@ -333,7 +333,8 @@ _list_ops: set = set()
 
 
 # Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
-# objects with direct(func, decision), strategy(func, rule, specs, decision), custom(func, args)
+# objects with direct(func, decision), strategy(func, rule, global inputs, decision),
+# custom(func, args)
 # (true where it takes that op as a whole: the ops its rule runs are then not watched).
 observers: list = []
 
@@ -511,7 +512,7 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         except NoMeta:
             return run_data_dependent(func, flat, tree, gpos)
     if observers:
-        observers[-1].strategy(func, rule, [flat[i]._spec for i in gpos], d)
+        observers[-1].strategy(func, rule, [flat[i] for i in gpos], d)
     inplace = is_inplace(func)
     if inplace:
         keep_layout_while_tracing(func, flat[gpos[0]]._spec, d.out_specs[0])

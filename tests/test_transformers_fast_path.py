@@ -1,0 +1,118 @@
+"""transformers models trained on global tensors through the data-parallel fast path, their
+loss (`labels=`) included: small randomly initialised BERT, Llama and ViT in a world of 2
+equal one process on the logical batch (float64), and run on the local shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the `hf` extra")
+
+BATCH, TOKENS, VOCAB = 4, 12, 100
+
+
+def _model(name: str):
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "bert":
+        config = T.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=3,
+        )
+        return T.BertForSequenceClassification(config).double()
+    if name == "llama":
+        config = T.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+        return T.LlamaForCausalLM(config).double()
+    config = T.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return T.ViTForImageClassification(config).double()
+
+
+def _batches(name: str, steps: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        labels = torch.randint(0, 3, (BATCH,), generator=g)
+        if name == "vit":
+            pixels = torch.randn(BATCH, 3, 8, 8, generator=g, dtype=torch.float64)
+            out.append({"pixel_values": pixels, "labels": labels})
+            continue
+        ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=g)
+        out.append({"input_ids": ids, "labels": ids if name == "llama" else labels})
+    return out
+
+
+def _options(name: str) -> dict:
+    return {"use_cache": False} if name == "llama" else {}
+
+
+def _train(name: str, world: int | None):
+    """Losses and parameters after SGD steps; where `world` is given, on global tensors."""
+    import sbp.nn
+
+    model = _model(name)
+    P = None if world is None else sbp.placement("cpu", list(range(world)))
+    if P is not None:
+        model.to_global(P, sbp.broadcast)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, paths = [], []
+    for batch in _batches(name):
+        if P is not None:
+            me = P.coord(sbp.env.get_rank())
+            batch = {
+                k: sbp.to_global(
+                    v[sbp.local_slices(v.shape, P, sbp.split(0), me)].contiguous(),
+                    P,
+                    sbp.split(0),
+                )
+                for k, v in batch.items()
+            }
+            with sbp.global_mode(P):
+                loss = model(**batch, **_options(name)).loss
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+        else:
+            loss = model(**batch, **_options(name)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
+    return losses, params, paths
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "vit"])
+def test_transformers_model_trains_on_the_fast_path(pool2, name):
+    ref_losses, ref_params, _ = _train(name, None)
+    for losses, params, paths in pool2.run(_train, name, 2):
+        assert paths == ["fast", "fast"]
+        # (transformers computes a causal LM's loss in float32)
+        assert losses == pytest.approx(ref_losses, rel=1e-6 if name == "llama" else 1e-12)
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
