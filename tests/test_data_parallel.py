@@ -1125,6 +1125,8 @@ class ExpandsToTheBatch(torch.nn.Module):
 
     def forward(self, x):
         n = 10 if self.size == "hard-coded" else x.shape[0]  # (10: the logical batch)
+        if self.size == "as a number":  # the batch size read as a value, not a size
+            return self.body(x) * n + self.token.expand(n, -1)
         h = self.body(x + self.types.expand(n, -1))
         out = torch.cat([self.token.expand(n, -1), h], dim=1)
         if self.size == "arange":  # not the same in every row: each rank's rows differ
@@ -1134,10 +1136,11 @@ class ExpandsToTheBatch(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("size", ["input", "hard-coded", "arange"])
+@pytest.mark.parametrize("size", ["input", "hard-coded", "as a number", "arange"])
 def test_broadcast_values_expanded_to_the_batch(pool2, size):
-    """Expanded from the input's batch size, they run on the fast path; from a hard-coded
-    one, its first local run fails on the shard's shapes and is undone: op by op; a value
+    """Expanded from the input's batch size, they run on the fast path. From a hard-coded
+    one, the first local run fails on the shard's shapes; with the batch size as a number,
+    it computes other values than the checking pass: either is undone, op by op. A value
     that differs along the batch (arange) is refused by the check. All equal one process."""
     data = _data(steps=2)
     make = functools.partial(ExpandsToTheBatch, size)

@@ -86,6 +86,7 @@ class Layout:
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
     exits: tuple | None = None
     tried: bool = False  # a local run of it completed (`DataParallel._first_local_run`)
+    expected: list | None = None  # the checking pass's outputs' local tensors, until then
 
     def exits_on(self, rank: int, data_nd: tuple) -> list:
         """Each global output's local shape on `rank` and the spec its gradient comes in."""
@@ -679,28 +680,64 @@ class DataParallel:
         return self._first_local_run(args, kwargs, layout, data_nd, backend)
 
     def _first_local_run(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
-        """A layout's first local run, undone if it raises: the module then runs op by op,
-        as for a failed check. A forward that makes a batch-sized tensor with a hard-coded
-        batch size passes the check (the logical size is the batch's there) and fails on
-        the local shard's shapes."""
+        """A layout's first local run, checked against the checking pass's outputs and
+        undone where it raises or computes other values: the module then runs op by op, as
+        for a failed check. The check cannot see a batch size the forward hard-codes (the
+        logical size is the batch's there: the local run fails on the shard's shapes) or
+        reads as a value (`torch.full((n,), n)`: other numbers)."""
         saved = [b._local.clone() for b in self._slots.buffers]
         rng = dict(random._state)
+        expected, layout.expected = layout.expected, None
         try:
             out = self._run_local(args, kwargs, layout, data_nd, backend)
+            why = self._differs(out, expected) if self._eager(backend) else ""
         except (RuntimeError, ValueError, IndexError) as e:
             if isinstance(e, SbpError):
                 raise
-            for b, s in zip(self._slots.buffers, saved, strict=True):
-                b._local.copy_(s)
-            random._state.update(rng)
-            layout.ok, layout.reason = False, f"its local run failed ({type(e).__name__}: {e})"
-            warnings.warn(
-                f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
-                stacklevel=4,
-            )
-            return self._per_op(args, kwargs, backend)
-        layout.tried = True
-        return out
+            why = f"its local run failed ({type(e).__name__}: {e})"
+        flag = torch.tensor([float(bool(why))])  # (every rank of the placement goes one way)
+        if comm.all_reduce(flag, "max", self.placement.flat_ranks).item() == 0:
+            layout.tried = True
+            return out
+        for b, s in zip(self._slots.buffers, saved, strict=True):
+            b._local.copy_(s)
+        random._state.update(rng)
+        layout.ok, layout.reason = False, why or "its local run failed on another rank"
+        warnings.warn(
+            f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
+            stacklevel=4,
+        )
+        return self._per_op(args, kwargs, backend)
+
+    def _eager(self, backend) -> bool:
+        """Does this call run the local forward eagerly? (A compiled one draws dropout masks
+        from torch's generator: other values than the checking pass's, by design.)"""
+        return backend is None and self.compile_options is None
+
+    @staticmethod
+    def _differs(out, expected: list | None) -> str:
+        """Why the local run's outputs are not the checking pass's (this rank's parts), or
+        "" where they agree up to rounding (sbp's logical BatchNorm sums in another order)."""
+        if expected is None:
+            return ""
+        got = [t._local for t in tree_flatten(out)[0] if isinstance(t, GlobalTensor)]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            if a.shape != b.shape:
+                return f"output {i} has local shape {tuple(a.shape)}, not {tuple(b.shape)}"
+            if not a.is_floating_point():
+                if not torch.equal(a, b):
+                    return f"output {i} differs from the op-by-op run's"
+                continue
+            rtol = 1e-3 if torch.finfo(a.dtype).bits >= 32 else 5e-2
+            a64, b64 = a.detach().double(), b.double()
+            atol = rtol * float(b64.abs().max()) if b64.numel() else 0.0
+            if not torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True):
+                return (
+                    f"output {i} differs from the op-by-op run's by "
+                    f"{float((a64 - b64).abs().max()):.3g} (does the forward read the batch "
+                    "size as a number?)"
+                )
+        return ""
 
     def _per_op(self, args, kwargs, backend=None):
         self.last_path = "per-op"
@@ -799,6 +836,7 @@ class DataParallel:
             return Layout(False, check.reason)
         return Layout(
             True,
+            expected=[leaf._local for leaf in leaves if isinstance(leaf, GlobalTensor)],
             out_specs=specs,
             out_tree=tree,
             bn_counts=check.bn_counts,
