@@ -388,11 +388,7 @@ class _Run:
                 bad = counted & ((target < 0) | (target >= classes))
                 counted = counted & ~bad
                 parts.append(bad.sum(dtype=input.dtype))
-            mine = (
-                counted.sum(dtype=input.dtype)
-                if weight is None
-                else weight[target.where(counted, 0)].where(counted, 0).sum()
-            )
+            mine = outputs.local_total_weight(target, counted, weight, input.dtype)
             totals = torch.stack([mine, *parts])
             if len(self.group) > 1:
                 totals = comm.all_reduce(totals, "sum", self.group)

@@ -244,12 +244,16 @@ def _total_weight(scores, target, weight, ignore_index: int, bounds, layout: Nll
         return count
     labels = target._local
     with torch.no_grad():  # (as torch's: no gradient flows through the divisor)
-        counted = labels != ignore_index
-        if weight is None:
-            mine = counted.sum(dtype=scores.dtype)
-        else:  # each counted label's class weight
-            mine = weight[labels.where(counted, 0)].where(counted, 0).sum()
+        mine = local_total_weight(labels, labels != ignore_index, weight, scores.dtype)
     return box(mine, layout.total_parts, layout.total)
+
+
+def local_total_weight(labels, counted, weight, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of a mean loss's divisor: how many of its labels count (`counted`),
+    or the sum of their class weights."""
+    if weight is None:
+        return counted.sum(dtype=dtype)
+    return weight[labels.where(counted, 0)].where(counted, 0).sum()
 
 
 def _cross_entropy(
