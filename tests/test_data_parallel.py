@@ -119,7 +119,8 @@ def _train(
         losses.append(loss.item() if inside else None)
     params = _gather(model) if placement is not None else [p.detach() for p in params]
     buffers = [b.full_tensor() if placement else b for b in model.buffers()]
-    grad_sbps = {tuple(p.grad.sbp) for p in model.parameters()} if placement else None
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_sbps = {tuple(g.sbp) for g in grads} if placement else None
     return losses, params, buffers, paths, grad_sbps
 
 
@@ -1114,45 +1115,82 @@ def test_global_mode_factories_in_the_forward(pool2):
 
 
 class ExpandsToTheBatch(torch.nn.Module):
-    """Broadcast values expanded to the batch and joined to it, as transformers' token type
-    embeddings and a ViT's class token are: `size` is where the batch size comes from."""
+    """Forwards the check alone cannot judge, by `kind`: broadcast values expanded to the
+    batch (a ViT's class token) from the input's batch size, or a hard-coded one; the
+    batch size read as a number, also where BatchNorm hides it from the outputs (not from
+    its running statistics) or an output holds -inf; rows of a zero parameter, equal only
+    by chance; a value that differs along the batch (arange); a write into the input."""
 
-    def __init__(self, size="input"):
+    def __init__(self, kind="input"):
         super().__init__()
-        self.body, self.size = MLP(), size
+        self.body, self.kind = MLP(), kind
         self.token = torch.nn.Parameter(torch.randn(1, 3))
+        self.slots = torch.nn.Parameter(torch.zeros(10, 3))
         self.register_buffer("types", torch.zeros(1, 8))
+        self.norm = torch.nn.BatchNorm1d(3)
 
     def forward(self, x):
-        n = 10 if self.size == "hard-coded" else x.shape[0]  # (10: the logical batch)
-        if self.size == "as a number":  # the batch size read as a value, not a size
-            return self.body(x) * n + self.token.expand(n, -1)
+        kind = self.kind
+        n = 10 if kind == "hard-coded" else x.shape[0]  # (10: the logical batch)
+        if kind in ("as a number", "with -inf"):
+            out = self.body(x) * n + self.token.expand(n, -1)
+            return out.masked_fill(torch.ones_like(out, dtype=torch.bool).tril(-9), -1e300)
+        if kind == "hidden by BatchNorm":
+            return self.norm(self.body(x) * n)
+        if kind == "zero rows":
+            return self.body(x) + self.slots[:n]
+        if kind == "writes its input":
+            x.sub_(1.0)
         h = self.body(x + self.types.expand(n, -1))
         out = torch.cat([self.token.expand(n, -1), h], dim=1)
-        if self.size == "arange":  # not the same in every row: each rank's rows differ
+        if kind == "arange":
             mode = sbp.global_mode(x.placement) if x.is_global else contextlib.nullcontext()
             with mode:
                 out = out + torch.arange(n, dtype=x.dtype)[:, None]
         return out
 
 
-@pytest.mark.parametrize("size", ["input", "hard-coded", "as a number", "arange"])
-def test_broadcast_values_expanded_to_the_batch(pool2, size):
-    """Expanded from the input's batch size, they run on the fast path. From a hard-coded
-    one, the first local run fails on the shard's shapes; with the batch size as a number,
-    it computes other values than the checking pass: either is undone, op by op. A value
-    that differs along the batch (arange) is refused by the check. All equal one process."""
-    data = _data(steps=2)
-    make = functools.partial(ExpandsToTheBatch, size)
-    ref = _train(make, None, None, None, data)
+FAST_OR_NOT = {
+    "input": "fast",
+    "writes its input": "fast",
+    "as a number": "per-op",
+    "with -inf": "per-op",
+    "hidden by BatchNorm": "per-op",
+    "zero rows": "per-op",
+    "arange": "per-op",
+}
 
-    want = ["fast", "fast"] if size == "input" else ["per-op", "per-op"]
-    for losses, params, _, paths, _ in pool2.run(
-        _train, make, sbp.placement("cpu", [0, 1]), S0, True, data
-    ):
-        assert paths == want
+
+@pytest.mark.parametrize("kind", sorted(FAST_OR_NOT))
+def test_what_the_check_alone_cannot_judge(pool2, kind):
+    """Expanded from the input's batch size, values run on the fast path. Other values the
+    check refuses (not an expanded view along the batch), or the first local run computes
+    other outputs or buffers than the checking pass and is undone: op by op. All equal one
+    process (a forward writing into its input too: the check puts the input back)."""
+    data = _data(steps=2)
+    make = functools.partial(ExpandsToTheBatch, kind)
+    ref = _train(make, None, None, None, copy.deepcopy(data))  # (a forward may write into x)
+    P = sbp.placement("cpu", [0, 1])
+    for losses, params, buffers, paths, _ in pool2.run(_train, make, P, S0, True, data):
+        assert paths == [FAST_OR_NOT[kind]] * 2
         assert losses == pytest.approx(ref[0], rel=1e-12)
         assert _rel(params, ref[1]) < 1e-12
+        for b, want in zip(buffers, ref[2], strict=True):
+            torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-12)
+
+
+def _hard_coded_batch():
+    P = sbp.placement("cpu", [0, 1])
+    x, y = _data(steps=1)[0]
+    model = ExpandsToTheBatch("hard-coded").double().to_global(P, B)
+    with pytest.raises(RuntimeError, match="size"):
+        model(_global(x, P))
+    return True
+
+
+def test_a_hard_coded_batch_size_raises_on_every_rank(pool2):
+    """The check sees the logical batch; the local run's shapes do not fit, on every rank."""
+    assert pool2.run(_hard_coded_batch) == [True, True]
 
 
 class CastsAndTests(torch.nn.Module):

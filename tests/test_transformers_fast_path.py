@@ -1,6 +1,7 @@
 """transformers models trained on global tensors through the data-parallel fast path, their
-loss (`labels=`) included: small randomly initialised BERT, Llama and ViT in a world of 2
-equal one process on the logical batch (float64), and run on the local shards."""
+loss (`labels=`) included: small randomly initialised BERT (given its token type ids, as
+its tokenizer does), Llama and ViT in a world of 2 equal one process on the logical batch
+(float64), and run on the local shards."""
 
 from __future__ import annotations
 
@@ -65,7 +66,11 @@ def _batches(name: str, steps: int = 2) -> list[dict]:
             out.append({"pixel_values": pixels, "labels": labels})
             continue
         ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=g)
-        out.append({"input_ids": ids, "labels": ids if name == "llama" else labels})
+        batch = {"input_ids": ids, "labels": ids if name == "llama" else labels}
+        if name == "bert":  # (as its tokenizer gives them: BERT's own default is a buffer
+            # expanded to the batch and embedded, rows equal by value only: op by op)
+            batch["token_type_ids"] = torch.zeros_like(ids)
+        out.append(batch)
     return out
 
 

@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sbp import comm, env, gradients, local_constants, random
-from sbp.errors import LabelRangeError, SbpError
+from sbp.errors import LabelRangeError
 from sbp.layout import GlobalSpec
 from sbp.nn import outputs, shard_batch_norm
 from sbp.ops import batch_norm, registry
@@ -86,7 +86,8 @@ class Layout:
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
     exits: tuple | None = None
     tried: bool = False  # a local run of it completed (`DataParallel._first_local_run`)
-    expected: list | None = None  # the checking pass's outputs' local tensors, until then
+    # the checking pass's outputs' local tensors and the buffers it left, until then
+    expected: tuple | None = None
 
     def exits_on(self, rank: int, data_nd: tuple) -> list:
         """Each global output's local shape on `rank` and the spec its gradient comes in."""
@@ -161,10 +162,11 @@ class _Check:
 
     def _in_place_or_sliced(self, g: GlobalTensor, need: GlobalSpec) -> bool:
         """Is `g` laid out as the op needs it, or broadcast and needed split on the batch's
-        hierarchy dims along a dim it is constant along? The latter is a broadcast value
-        expanded to the batch (transformers' token type ids, a ViT's class token): the
-        local run makes it for its own shard, from the local batch size, as it does the
-        shapes of views (a hard-coded batch size is refused at the output)."""
+        hierarchy dims along a dim it is expanded along (stride 0: a ViT's class token
+        expanded to the batch)? The local run expands it for its own rows, from the local
+        batch size, as it sizes views; the gradient sums over the rows either way. Equal
+        rows alone are not enough: rows of a zero parameter `p[:n]` are equal until
+        trained, and the local run would train rows 0..n-1 on every rank."""
         spec = g._spec
         if spec == need:
             return True
@@ -177,10 +179,7 @@ class _Check:
             elif not s.is_broadcast:
                 return False
         local = g._local
-        return all(
-            torch.equal(local, local.narrow(k, 0, min(1, local.shape[k])).expand_as(local))
-            for k in dims
-        )
+        return all(local.shape[k] <= 1 or local.stride(k) == 0 for k in dims)
 
     def custom(self, func, args) -> bool | None:
         rule = registry._resolve(func)
@@ -504,6 +503,37 @@ def _local_forward(run: _Run, mode: _LocalOps):
     return replacement
 
 
+def _differs(what: str, got: list, expected: list) -> str:
+    """Why the local run's tensors are not the checking pass's, or "" where they agree up
+    to rounding (sbp's logical BatchNorm sums in another order)."""
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if a.shape != b.shape:
+            return f"{what} {i} has local shape {tuple(a.shape)}, not {tuple(b.shape)}"
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return f"{what} {i} differs from the op-by-op run's"
+            continue
+        rtol = 1e-3 if torch.finfo(a.dtype).bits >= 32 else 5e-2
+        a64, b64 = a.detach().double(), b.double()
+        finite = b64[b64.isfinite()]
+        atol = rtol * float(finite.abs().max()) if finite.numel() else 0.0
+        if not torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True):
+            gap = (a64 - b64).nan_to_num(nan=0.0, posinf=float("inf")).abs().max()
+            return (
+                f"{what} {i} differs from the op-by-op run's by {float(gap):.3g} (does the "
+                "forward read the batch size as a number?)"
+            )
+    return ""
+
+
+def _restore_written(saved: list) -> None:
+    """Put back the global tensors of (tensor, version, its local's copy) written since.
+    (Their version counts the writes: a local's does not count those made through sbp.)"""
+    for g, version, copy in saved:
+        if g._version != version:
+            g._local.copy_(copy)
+
+
 class _EnterLocal(torch.autograd.Function):
     """A global input's local tensor; its gradient goes back as this rank's share."""
 
@@ -676,29 +706,37 @@ class DataParallel:
         return self._first_local_run(args, kwargs, layout, data_nd, backend)
 
     def _first_local_run(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
-        """A layout's first local run, checked against the checking pass's outputs and
-        undone where it raises or computes other values: the module then runs op by op, as
-        for a failed check. The check cannot see a batch size the forward hard-codes (the
-        logical size is the batch's there: the local run fails on the shard's shapes) or
-        reads as a value (`torch.full((n,), n)`: other numbers)."""
-        saved = [b._local.clone() for b in self._slots.buffers]
-        rng = dict(random._state)
+        """A layout's first local run, compared with the checking pass (its outputs, this
+        rank's parts, and the buffers it left) and undone where they differ: the module then
+        runs op by op, as for a failed check. The check cannot see a forward that reads the
+        batch size as a number (`h * h.shape[0]`: the logical size there, the local one
+        here). An error raises as it is: it may be one rank's alone (a shard with no rows),
+        and the others are inside the run's collectives."""
         expected, layout.expected = layout.expected, None
-        try:
-            out = self._run_local(args, kwargs, layout, data_nd, backend)
-            why = self._differs(out, expected) if self._eager(backend) else ""
-        except (RuntimeError, ValueError, IndexError) as e:
-            if isinstance(e, SbpError):
-                raise
-            why = f"its local run failed ({type(e).__name__}: {e})"
+        saved = [b._local.clone() for b in self._slots.buffers]
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, GlobalTensor)]
+        saved_inputs = [(a, a._version, a._local.clone()) for a in inputs]
+        rng = dict(random._state)
+        out = self._run_local(args, kwargs, layout, data_nd, backend)
+        why = ""
+        if expected is not None and self._eager(backend):
+            got = [t._local for t in tree_flatten(out)[0] if isinstance(t, GlobalTensor)]
+            why = _differs("output", got, expected[0])
+            if not why and not (self.batch_norm == "local" and len(self.group(data_nd)) > 1):
+                # (per-shard statistics are the first rank's only once broadcast)
+                why = _differs("buffer", [b._local for b in self._slots.buffers], expected[1])
         flag = torch.tensor([float(bool(why))])  # (every rank of the placement goes one way)
         if comm.all_reduce(flag, "max", self.placement.flat_ranks).item() == 0:
             layout.tried = True
             return out
+        if self._buffers_in_flight is not None:  # (the undone run's statistics: dropped)
+            self._buffers_in_flight[0].wait()
+            self._buffers_in_flight = None
         for b, s in zip(self._slots.buffers, saved, strict=True):
             b._local.copy_(s)
+        _restore_written(saved_inputs)
         random._state.update(rng)
-        layout.ok, layout.reason = False, why or "its local run failed on another rank"
+        layout.ok, layout.reason = False, why or "its local run differs on another rank"
         warnings.warn(
             f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
             stacklevel=4,
@@ -709,31 +747,6 @@ class DataParallel:
         """Does this call run the local forward eagerly? (A compiled one draws dropout masks
         from torch's generator: other values than the checking pass's, by design.)"""
         return backend is None and self.compile_options is None
-
-    @staticmethod
-    def _differs(out, expected: list | None) -> str:
-        """Why the local run's outputs are not the checking pass's (this rank's parts), or
-        "" where they agree up to rounding (sbp's logical BatchNorm sums in another order)."""
-        if expected is None:
-            return ""
-        got = [t._local for t in tree_flatten(out)[0] if isinstance(t, GlobalTensor)]
-        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-            if a.shape != b.shape:
-                return f"output {i} has local shape {tuple(a.shape)}, not {tuple(b.shape)}"
-            if not a.is_floating_point():
-                if not torch.equal(a, b):
-                    return f"output {i} differs from the op-by-op run's"
-                continue
-            rtol = 1e-3 if torch.finfo(a.dtype).bits >= 32 else 5e-2
-            a64, b64 = a.detach().double(), b.double()
-            atol = rtol * float(b64.abs().max()) if b64.numel() else 0.0
-            if not torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True):
-                return (
-                    f"output {i} differs from the op-by-op run's by "
-                    f"{float((a64 - b64).abs().max()):.3g} (does the forward read the batch "
-                    "size as a number?)"
-                )
-        return ""
 
     def _per_op(self, args, kwargs, backend=None):
         self.last_path = "per-op"
@@ -800,8 +813,11 @@ class DataParallel:
         """Run the module op by op, watching every op, without lasting effects."""
         buffers = self._slots.buffers
         saved = [b._local.clone() for b in buffers]
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, GlobalTensor)]
+        saved_inputs = [(a, a._version, a._local.clone()) for a in inputs]
         rng = dict(random._state)
         check = _Check(data_nd)
+        left = None  # the buffers as the forward left them
         registry.observers.append(check)
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
@@ -809,10 +825,12 @@ class DataParallel:
             losses = _losses_replaced(_called_by_name(check, modes))
             with torch.no_grad(), counted, losses, _FusedDropouts(check):
                 out = self._original(*args, **kwargs)
+            left = [b._local.clone() for b in buffers]
         finally:
             registry.observers.remove(check)
             for b, s in zip(buffers, saved, strict=True):
                 b._local.copy_(s)
+            _restore_written(saved_inputs)  # (a forward writing into its input, `x.sub_(1)`)
             random._state.update(rng)
         leaves, tree = tree_flatten(out)
         specs = []
@@ -832,7 +850,7 @@ class DataParallel:
             return Layout(False, check.reason)
         return Layout(
             True,
-            expected=[leaf._local for leaf in leaves if isinstance(leaf, GlobalTensor)],
+            expected=([leaf._local for leaf in leaves if isinstance(leaf, GlobalTensor)], left),
             out_specs=specs,
             out_tree=tree,
             bn_counts=check.bn_counts,
