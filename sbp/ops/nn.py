@@ -22,6 +22,7 @@ from sbp.ops.registry import (
     rebox_to,
     register,
     register_strategy,
+    split_except_dim,
     without_partials,
 )
 from sbp.random import draw_seed
@@ -80,34 +81,25 @@ def convolution_backward(call: Call) -> list[Strategy]:
 # ---------------------------------------------------------------- softmax and losses
 
 
-def _except_dim(call: Call, dim_pos: int, n_in: int, default: int | None = None) -> list[Strategy]:
-    ndim = len(call.specs[0].shape)
-    dim = call.arg(dim_pos, "dim", default)
-    dim = dim + ndim if dim < 0 else dim
-    cands = [Strategy((B,) * n_in, (B,))]
-    cands += [Strategy((split(d),) * n_in, (split(d),)) for d in range(ndim) if d != dim]
-    return cands
-
-
 @register_strategy(aten._log_softmax, aten._softmax, aten._safe_softmax)
 def softmax(call: Call) -> list[Strategy]:
-    return _except_dim(call, 1, 1)
+    return split_except_dim(call, 1, 1)
 
 
 @register_strategy(aten._log_softmax_backward_data, aten._softmax_backward_data)
 def softmax_backward(call: Call) -> list[Strategy]:
-    return _except_dim(call, 2, 2)
+    return split_except_dim(call, 2, 2)
 
 
 @register_strategy(aten.glu)
 def glu(call: Call) -> list[Strategy]:
     """Halves along `dim`: any other split stays local."""
-    return _except_dim(call, 1, 1, default=-1)
+    return split_except_dim(call, 1, 1, default=-1)
 
 
 @register_strategy(aten.glu_backward)
 def glu_backward(call: Call) -> list[Strategy]:
-    return _except_dim(call, 2, 2)
+    return split_except_dim(call, 2, 2)
 
 
 @register(aten.log_sigmoid_forward.default)

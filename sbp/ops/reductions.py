@@ -14,7 +14,14 @@ import torch
 
 from sbp.kernels import fill_value
 from sbp.layout import GlobalSpec
-from sbp.ops.registry import Call, Strategy, register, register_strategy, without_partials
+from sbp.ops.registry import (
+    Call,
+    Strategy,
+    register,
+    register_strategy,
+    split_except_dim,
+    without_partials,
+)
 from sbp.signature import Partial, broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -171,38 +178,27 @@ def any_all(func, args, kwargs):
 
 
 # ---------------------------------------------------------------- scans along a dim
-
-
-def scan_candidates(call: Call, dim_pos: int, n_in: int, n_out: int = 1) -> list[Strategy]:
-    """A scan (cumsum, cummax, ...) runs along `dim` only: a split of any other dim stays."""
-    ndim = len(call.specs[0].shape)
-    dim = call.arg(dim_pos, "dim")
-    dim = dim + ndim if dim < 0 else dim
-    cands = [Strategy((broadcast,) * n_in, (broadcast,) * n_out)]
-    for d in range(ndim):
-        if d != dim:
-            cands.append(Strategy((split(d),) * n_in, (split(d),) * n_out))
-    return cands
+# (a scan, cumsum or cummax, runs along `dim` only: a split of any other dim stays)
 
 
 @register_strategy(aten.cumsum)
 def cumsum(call: Call) -> list[Strategy]:
     """Also linear: partial sums stay partial."""
-    return [*scan_candidates(call, 1, 1), Strategy((partial_sum,), (partial_sum,))]
+    return [*split_except_dim(call, 1, 1), Strategy((partial_sum,), (partial_sum,))]
 
 
 @register_strategy(aten.cumprod, aten.logcumsumexp, aten._logcumsumexp)
 def scan(call: Call) -> list[Strategy]:
-    return scan_candidates(call, 1, 1)
+    return split_except_dim(call, 1, 1)
 
 
 @register_strategy(aten.cummax, aten.cummin)
 def scan_with_indices(call: Call) -> list[Strategy]:
-    return scan_candidates(call, 1, 1, n_out=2)
+    return split_except_dim(call, 1, 1, n_out=2)
 
 
 @register_strategy(aten.cumprod_backward, aten.cummaxmin_backward)
 def scan_backward(call: Call) -> list[Strategy]:
     """(grad, input, dim, output) and (grad, input, indices, dim): every tensor as the input."""
     dim_pos = 2 if call.func.overloadpacket is aten.cumprod_backward else 3
-    return scan_candidates(call, dim_pos, len(call.specs))
+    return split_except_dim(call, dim_pos, len(call.specs))

@@ -27,7 +27,7 @@ from sbp.comm import stats
 from sbp.comm.functional import tracing
 from sbp.errors import PlacementError, SbpSignatureError
 from sbp.layout import GlobalSpec
-from sbp.signature import SBP, broadcast, format_nd_sbp, partials_to_broadcast
+from sbp.signature import SBP, broadcast, format_nd_sbp, partials_to_broadcast, split
 
 _rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
@@ -73,6 +73,21 @@ class StrategyRule:
     candidates: Callable[[Call], Sequence[Strategy]]
     local_args: Callable | None = None
     post: Callable | None = None
+
+
+def split_except_dim(
+    call: Call, dim_pos: int, n_in: int, n_out: int = 1, default: int | None = None
+) -> list[Strategy]:
+    """Candidates of an op that works along its `dim` argument only (softmax, glu, cumsum):
+    broadcast, or every tensor split alike along any other dim."""
+    ndim = len(call.specs[0].shape)
+    dim = call.arg(dim_pos, "dim", default)
+    dim = dim + ndim if dim < 0 else dim
+    cands = [Strategy((broadcast,) * n_in, (broadcast,) * n_out)]
+    for d in range(ndim):
+        if d != dim:
+            cands.append(Strategy((split(d),) * n_in, (split(d),) * n_out))
+    return cands
 
 
 def schema_args(func, args: tuple, kwargs: dict) -> list:
