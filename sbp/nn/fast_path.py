@@ -526,12 +526,29 @@ def _differs(what: str, got: list, expected: list) -> str:
     return ""
 
 
-def _restore_written(saved: list) -> None:
-    """Put back the global tensors of (tensor, version, its local's copy) written since.
-    (Their version counts the writes: a local's does not count those made through sbp.)"""
-    for g, version, copy in saved:
-        if g._version != version:
-            g._local.copy_(copy)
+class _Undo:
+    """What a trial run of the module changes, to put back: the buffers (BatchNorm's
+    running statistics), global inputs the forward writes into (`x.sub_(1)`), and sbp's
+    random stream (dropout)."""
+
+    def __init__(self, buffers: list, args: tuple, kwargs: dict):
+        self.buffers = buffers
+        self.saved = [b._local.clone() for b in buffers]
+        # (a global tensor's version counts writes; its local's misses those through sbp)
+        self.inputs = [
+            (a, a._version, a._local.clone())
+            for a in (*args, *kwargs.values())
+            if isinstance(a, GlobalTensor)
+        ]
+        self.rng = dict(random._state)
+
+    def __call__(self) -> None:
+        for b, s in zip(self.buffers, self.saved, strict=True):
+            b._local.copy_(s)
+        for g, version, copy in self.inputs:
+            if g._version != version:
+                g._local.copy_(copy)
+        random._state.update(self.rng)
 
 
 class _EnterLocal(torch.autograd.Function):
@@ -713,10 +730,7 @@ class DataParallel:
         here). An error raises as it is: it may be one rank's alone (a shard with no rows),
         and the others are inside the run's collectives."""
         expected, layout.expected = layout.expected, None
-        saved = [b._local.clone() for b in self._slots.buffers]
-        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, GlobalTensor)]
-        saved_inputs = [(a, a._version, a._local.clone()) for a in inputs]
-        rng = dict(random._state)
+        undo = _Undo(self._slots.buffers, args, kwargs)
         out = self._run_local(args, kwargs, layout, data_nd, backend)
         why = ""
         if expected is not None and self._eager(backend):
@@ -732,10 +746,7 @@ class DataParallel:
         if self._buffers_in_flight is not None:  # (the undone run's statistics: dropped)
             self._buffers_in_flight[0].wait()
             self._buffers_in_flight = None
-        for b, s in zip(self._slots.buffers, saved, strict=True):
-            b._local.copy_(s)
-        _restore_written(saved_inputs)
-        random._state.update(rng)
+        undo()
         layout.ok, layout.reason = False, why or "its local run differs on another rank"
         warnings.warn(
             f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
@@ -812,10 +823,7 @@ class DataParallel:
     def _check(self, args, kwargs, data_nd) -> Layout:
         """Run the module op by op, watching every op, without lasting effects."""
         buffers = self._slots.buffers
-        saved = [b._local.clone() for b in buffers]
-        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, GlobalTensor)]
-        saved_inputs = [(a, a._version, a._local.clone()) for a in inputs]
-        rng = dict(random._state)
+        undo = _Undo(buffers, args, kwargs)
         check = _Check(data_nd)
         left = None  # the buffers as the forward left them
         registry.observers.append(check)
@@ -828,10 +836,7 @@ class DataParallel:
             left = [b._local.clone() for b in buffers]
         finally:
             registry.observers.remove(check)
-            for b, s in zip(buffers, saved, strict=True):
-                b._local.copy_(s)
-            _restore_written(saved_inputs)  # (a forward writing into its input, `x.sub_(1)`)
-            random._state.update(rng)
+            undo()
         leaves, tree = tree_flatten(out)
         specs = []
         for leaf in leaves:
