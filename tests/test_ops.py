@@ -646,3 +646,42 @@ def test_op_matches_single_process_in_a_world_of_2(pool2, case):
     name, nd, ranks = case
     for rank, errors in enumerate(pool2.run(_run_case, name, list(nd), ranks)):
         assert not errors, f"rank {rank}: {errors}"
+
+
+def _half_batch_norm(dtype, x, want):
+    """Train-mode BatchNorm in `dtype` over the batch split on 2 ranks: its errors against
+    the float64 result (torch takes float32 statistics for half inputs)."""
+    P_ = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).to(dtype).to_global(P_, B)
+    gx = sbp.tensor(x.to(dtype), P_, S0).requires_grad_()
+    out = bn(gx)
+    out.float().pow(2).sum().backward()
+    got = [out, gx.grad, bn.weight.grad, bn.running_var]
+    return [
+        (g.full_tensor().double() - w).abs().max().item() for g, w in zip(got, want, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_batch_norm_over_ranks(pool2, dtype):
+    """(It used to raise: float32 statistics met the half weight in torch's kernel.) Errors
+    against float64 stay within twice single-process torch's own in `dtype`."""
+    x = torch.randn(8, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(dt, module):
+        xr = x.to(dt, copy=True).requires_grad_()
+        out = module.to(dt)(xr)
+        out.to(torch.float64).pow(2).sum().backward()
+        return [out, xr.grad, module.weight.grad, module.running_var], module
+
+    want, _ = run(torch.float64, torch.nn.BatchNorm1d(3))
+    want = [w.detach() for w in want]
+    torch_half, _ = run(dtype, torch.nn.BatchNorm1d(3))
+    bound = [
+        2 * (t.detach().double() - w).abs().max().item() + 1e-3
+        for t, w in zip(torch_half, want, strict=True)
+    ]
+    for errors in pool2.run(_half_batch_norm, dtype, x, want):
+        assert all(e <= b for e, b in zip(errors, bound, strict=True)), (errors, bound)
+

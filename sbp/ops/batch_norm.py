@@ -112,6 +112,9 @@ def forward(
     if x.numel() == 0:
         out = torch.empty_like(x)
     else:
+        if x.dtype != acc:  # (half input: torch takes float32 statistics with float32 affine)
+            weight = None if weight is None else weight.to(acc)
+            bias = None if bias is None else bias.to(acc)
         out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
     with torch.no_grad():
         if running_mean is not None:
@@ -161,6 +164,8 @@ def backward(
         shift = torch.addcmul((a * means[1]).neg_(), scale, mean, value=-1)
         dx = torch.addcmul(shift.view(view), x, scale.view(view)).addcmul_(dy, a.view(view))
         return dx, local, whole
+    if weight is not None and x.dtype != mean.dtype:  # (half input: float32 statistics)
+        weight = weight.to(mean.dtype)
     dx, gw, gb = aten.native_batch_norm_backward(
         dy, x, weight, None, None, mean, invstd, True, 0.0, [input_grad, True, True]
     )
