@@ -685,3 +685,34 @@ def test_half_precision_batch_norm_over_ranks(pool2, dtype):
     for errors in pool2.run(_half_batch_norm, dtype, x, want):
         assert all(e <= b for e, b in zip(errors, bound, strict=True)), (errors, bound)
 
+
+MASK_LAYOUTS = [(S0, S0), (S0, B), (S1, B), (B, B), (P, B)]
+
+
+def _masked_indexing(x, layouts):
+    P_ = sbp.placement("cpu", [0, 1])
+    results = []
+    for xs, ms in layouts:
+        gx = sbp.tensor(x, P_, xs).requires_grad_()
+        mask = sbp.tensor(x > 0, P_, ms if ms != P else B)
+        rows = sbp.tensor(x[:, 0] > 0, P_, B)
+        out = gx[mask].sum() * 2 + (gx[rows] ** 2).sum() + gx[:, mask[0]].pow(3).sum()
+        out.backward()
+        results.append((out.full_tensor(), gx.grad.full_tensor(), gx[rows].sbp))
+    return results
+
+
+def test_boolean_mask_indexing_equals_one_process(pool2):
+    """`x[mask]` (it raised: torch has no meta nonzero): the mask read as its nonzero
+    positions; a mask over dims a split does not touch keeps it (`x[rows]` of a split(1) x)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    rows, cols = x[:, 0] > 0, x[0] > 0
+    want = xr[x > 0].sum() * 2 + (xr[rows] ** 2).sum() + xr[:, cols].pow(3).sum()
+    want.backward()
+    for results in pool2.run(_masked_indexing, x, MASK_LAYOUTS):
+        for (out, grad, rows_sbp), (xs, _) in zip(results, MASK_LAYOUTS, strict=True):
+            torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad, xr.grad, rtol=1e-12, atol=1e-12)
+            if xs == S1:
+                assert rows_sbp == (S1,)

@@ -235,11 +235,9 @@ def splitting(call: Call) -> list[Strategy]:
 def _unindexed_dims(ndim: int, indices: list) -> dict[int, int]:
     """Where advanced indexing puts each dim of x it does not index (input dim: output dim),
     for integer indices on adjacent dims (`x[:, idx]`, `x[..., i, j]`): the indexed block
-    becomes the indices' broadcast shape in place. Else (indices apart, masks) none."""
+    becomes the indices' broadcast shape in place. Else (indices apart) none."""
     at = [k for k, i in enumerate(indices) if i is not None]
     if not at or at != list(range(at[0], at[-1] + 1)):
-        return {}
-    if any(indices[k].dtype in (torch.bool, torch.uint8) for k in at):
         return {}
     block = len(torch.broadcast_shapes(*(tuple(indices[k].shape) for k in at)))
     first, last = at[0], at[-1]
@@ -250,11 +248,22 @@ def _unindexed_dims(ndim: int, indices: list) -> dict[int, int]:
     }
 
 
+def _masks_as_integers(indices: list) -> list:
+    """A k-dim mask indexes k dims by its nonzero positions, as torch reads it: as k integer
+    indices, found from the mask's values (a rank outside the placement holds none, and
+    sees no rows)."""
+    out = []
+    for i in indices:
+        if i is not None and i.dtype in (torch.bool, torch.uint8):
+            out.extend(i.bool().nonzero(as_tuple=True))
+        else:
+            out.append(i)
+    return out
+
+
 def _meta_index(index, local: torch.Tensor) -> torch.Tensor:
-    """An index for finding the output's shape: integer indices by their logical shape (a
-    rank outside the placement holds none), masks by their values (whole on this rank)."""
-    if local.dtype in (torch.bool, torch.uint8):
-        return local.to("meta")
+    """An integer index for finding the output's shape, by its logical shape (a rank outside
+    the placement holds none)."""
     return torch.empty(tuple(index.shape), dtype=local.dtype, device="meta")
 
 
@@ -266,12 +275,14 @@ def index(func, args, kwargs):
     from sbp.tensor import GlobalTensor
 
     x, indices = args[0], args[1]
-    kept = _unindexed_dims(len(x.shape), indices)  # (logical shapes: alike on every rank)
     allb = (broadcast,) * len(x.sbp)
     local_idx = [
         None if i is None else rebox(i, allb)._local if isinstance(i, GlobalTensor) else i
         for i in indices
     ]
+    if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in local_idx):
+        indices = local_idx = _masks_as_integers(local_idx)  # (whole on every rank)
+    kept = _unindexed_dims(len(x.shape), indices)  # (logical shapes: alike on every rank)
     nd = tuple(s if s.is_partial or (s.is_split and s.dim in kept) else broadcast for s in x.sbp)
     x = rebox(x, nd)
     spec = x._spec
