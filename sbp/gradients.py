@@ -14,6 +14,7 @@ rank nothing is summed: each gradient waits in its leaf's `.grad`, where autogra
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections import deque
@@ -55,6 +56,9 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
         grad._spec = target  # (a gradient has its leaf's shape)
         return
     if _bucketable(spec, target):
+        if not getattr(leaf, "_sbp_accumulates", False):
+            leaf._sbp_accumulates = True
+            leaf.register_hook(functools.partial(_accumulate_partially, weakref.ref(leaf)))
         if not _pending:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
         known = _pending.get(id(grad))
@@ -67,6 +71,24 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     from sbp.tensor import box
 
     grad._local, grad._spec = box(grad._local, grad._spec, target), target
+
+
+def _accumulate_partially(leaf_ref: weakref.ref, new_grad: torch.Tensor) -> None:
+    """Before autograd adds a partial gradient into the whole `.grad` of an earlier backward
+    (gradient accumulation), the old one is relabelled partial (kept on one rank, zeros on
+    the others: no communication), so the in-place sum stays partial, which keeps the layout
+    it is written in, and joins the bucket again: one flat all-reduce per backward, not one
+    per gradient. (`.grad` is sbp's own tensor here: nothing views it.)"""
+    leaf = leaf_ref()
+    grad = None if leaf is None else TORCH_GRAD.__get__(leaf)
+    new_spec = getattr(new_grad, "_spec", None)
+    spec = getattr(grad, "_spec", None)
+    if new_spec is None or spec is None or spec == new_spec:
+        return
+    if spec._replace(nd_sbp=new_spec.nd_sbp) == new_spec and _bucketable(new_spec, spec):
+        from sbp.tensor import box
+
+        grad._local, grad._spec = box(grad._local, spec, new_spec), new_spec
 
 
 def _bucketable(spec, target) -> bool:

@@ -42,11 +42,12 @@ class GlobalTensor(torch.Tensor):
     # Slots: every op reads `_local` and `_spec`, and every step the two waiting ones of
     # each parameter. A slot is read in the object itself; an attribute in `__dict__` is
     # a lookup in another table, most often out of the CPU's caches by then.
-    __slots__ = ("_local", "_spec", "_waiting_grad", "_waiting_in")
+    __slots__ = ("_local", "_spec", "_waiting_grad", "_waiting_in", "_copy_of")
     _local: torch.Tensor
     _spec: GlobalSpec
     _waiting_grad: torch.Tensor | None  # (a parameter's: see `grad`)
     _waiting_in: tuple | None  # (a parameter's on one rank: see `grad`)
+    _copy_of: tuple | None  # (base, part) of a view that writes through (sbp.ops.writes)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
@@ -59,7 +60,7 @@ class GlobalTensor(torch.Tensor):
         )
         out._local = local
         out._spec = spec
-        out._waiting_grad = out._waiting_in = None
+        out._waiting_grad = out._waiting_in = out._copy_of = None
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl

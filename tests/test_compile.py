@@ -467,32 +467,27 @@ def test_compiled_new_rules_equal_one_process(pool2):
 
 
 def _add_partial_into(w, x):
-    w.add_(x.sum(0))  # x split(0): its sum is a partial sum, so eager makes w partial
+    w.add_(x.sum(0))  # x split(0): its sum is a partial sum; w stays broadcast
     return w * 2
 
 
-def _inplace_layout_change():
+def _inplace_keeps_layout():
     P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
     x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
     w = sbp.tensor(torch.ones(3, dtype=torch.float64), placement=P, sbp=B)
-    eager = _add_partial_into(w, sbp.tensor(x, placement=P, sbp=S0)).full_tensor()
+    eager = _add_partial_into(w, sbp.tensor(x, placement=P, sbp=S0))
+    eager_sbp = tuple(w.sbp)
     w = sbp.tensor(torch.ones(3, dtype=torch.float64), placement=P, sbp=B)
     f = torch.compile(_add_partial_into, backend=_counter(), fullgraph=True)
-    try:
-        f(w, sbp.tensor(x, placement=P, sbp=S0))
-        error = None
-    except Exception as e:  # Dynamo wraps errors raised while it propagates fake tensors
-        error = str(e)
-    return eager, error, tuple(w.sbp), w.full_tensor()
+    compiled = f(w, sbp.tensor(x, placement=P, sbp=S0))
+    return eager.full_tensor(), eager_sbp, compiled.full_tensor(), tuple(w.sbp), _full(w)
 
 
-def test_inplace_layout_change_is_refused_while_tracing(pool2):
-    """Eager, `w.add_(partial)` makes `w` partial; a graph cannot change its input's layout,
-    so tracing refuses it on every rank alike (no rank compiles a different program) and
-    leaves `w` as it was."""
+def test_inplace_op_keeps_its_layout_eager_and_traced(pool2):
+    """`w.add_(partial)` on a broadcast `w` keeps `w` broadcast (the partial sum is reduced
+    first), as torch keeps the tensor it writes; so a graph can write its input in place."""
     x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
-    for eager, error, sbp_after, w in pool2.run(_inplace_layout_change):
-        _close([eager], [2 * (1 + x.sum(0))])
-        assert "in-place op would change its input from sbp (B) to (P)" in error
-        assert sbp_after == (B,)
-        _close([w], [torch.ones(3, dtype=torch.float64)])
+    want = 1 + x.sum(0)
+    for eager, eager_sbp, compiled, sbp_after, w in pool2.run(_inplace_keeps_layout):
+        _close([eager, compiled, w], [2 * want, 2 * want, want])
+        assert eager_sbp == (B,) and sbp_after == (B,)

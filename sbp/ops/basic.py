@@ -20,16 +20,30 @@ def same_layout(func, args, kwargs):
     return GlobalTensor(func(g._local, *args[1:], **kwargs), g._spec)
 
 
+# allocations whose value is zero or undefined: a partial sum of them is one too
+_PARTIAL_ALLOCS = frozenset(
+    (
+        aten.zeros_like.default,
+        aten.empty_like.default,
+        aten.new_empty_strided.default,
+        aten.new_empty.default,
+        aten.new_zeros.default,
+    )
+)
+
+
 @register(
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default
 )
 def like(func, args, kwargs):
-    """A new value of the same shape: every element is set, so a partial input gives broadcast."""
+    """A new value of the same shape, in the input's layout. Ones and a fill value are set on
+    every rank, so a partial input gives broadcast; zeros and an empty tensor stay partial, so
+    that `torch.empty_like(p).copy_(p)` (which in-place ops make keep its layout) is free."""
     from sbp.tensor import GlobalTensor
 
     g = args[0]
     spec = g._spec
-    nd = partials_to_broadcast(spec.nd_sbp)
+    nd = spec.nd_sbp if func in _PARTIAL_ALLOCS else partials_to_broadcast(spec.nd_sbp)
     out = func(g._local, *args[1:], **kwargs)
     return GlobalTensor(out, spec._replace(nd_sbp=nd, dtype=out.dtype))
 
@@ -42,8 +56,10 @@ def like(func, args, kwargs):
     aten.new_full.default,
 )
 def new_alloc(func, args, kwargs):
-    """`x.new_*(size)`: of x's shape, the new tensor keeps x's layout (partials made broadcast),
-    so autograd's copy of a split gradient stays split; of another shape, it is broadcast."""
+    """`x.new_*(size)`: of x's shape, the new tensor keeps x's layout (partials made broadcast
+    but for zeros and empty ones, as in `like`), so autograd's copy of a split or partial
+    gradient into a new one (`new_empty_strided(...).copy_(grad)`) is free; of another shape,
+    it is broadcast."""
     from sbp import env
     from sbp.boxing.executor import empty_local
     from sbp.layout import GlobalSpec
@@ -52,7 +68,8 @@ def new_alloc(func, args, kwargs):
 
     g, size = args[0], tuple(args[1])
     spec = g._spec
-    nd = partials_to_broadcast(spec.nd_sbp) if size == tuple(spec.shape) else None
+    keep = spec.nd_sbp if func in _PARTIAL_ALLOCS else partials_to_broadcast(spec.nd_sbp)
+    nd = keep if size == tuple(spec.shape) else None
     nd = nd or (broadcast,) * spec.placement.ndim
     dtype = kwargs.get("dtype") or g.dtype
     out = GlobalSpec(spec.placement, nd, size, dtype)

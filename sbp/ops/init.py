@@ -19,6 +19,7 @@ from sbp import random as sbp_random
 from sbp.layout import GlobalSpec
 from sbp.ops.pointwise import nonlinear
 from sbp.ops.registry import register, register_strategy
+from sbp.ops.writes import assign
 from sbp.signature import partials_to_broadcast
 
 aten = torch.ops.aten
@@ -53,6 +54,7 @@ def random_fill_(func, args, kwargs):
     seed = _seed(str(func), kwargs.get("generator"))  # every rank draws: streams stay in step
     spec = g._spec._replace(nd_sbp=partials_to_broadcast(g._spec.nd_sbp))
     me = env.get_rank()
+    local = g._local if spec == g._spec else torch.empty_like(g._local)
     if me in spec.placement and g._local.numel():
         idx = logical_indices(spec, me)
         if func is aten.normal_.default:
@@ -64,6 +66,6 @@ def random_fill_(func, args, kwargs):
             high = args[2] if len(args) > 2 else kwargs.get("to", 1.0)
             values = sbp_random.uniform_at(seed, idx) * (high - low) + low
         with torch.no_grad():
-            g._local.copy_(values.to(device=g._local.device).expand_as(g._local))
-    g._spec = spec
+            local.copy_(values.to(device=local.device).expand_as(local))
+    assign(g, local, spec)  # (a partial tensor's draws, made partial again)
     return g

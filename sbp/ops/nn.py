@@ -25,6 +25,7 @@ from sbp.ops.registry import (
     split_except_dim,
     without_partials,
 )
+from sbp.ops.writes import assign
 from sbp.random import draw_seed
 from sbp.signature import broadcast, partial_sum, split, splits_to_partials
 
@@ -360,10 +361,10 @@ def bernoulli_(func, args, kwargs):
     """Each shard draws its own mask; a broadcast tensor draws the same mask on every rank."""
     x, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
     x = without_partials(x) if any(s.is_partial for s in x.sbp) else x
-    args[0]._spec, args[0]._local = x._spec, x._local
     gen = _generator(x._spec, x._local.device)
     if env.get_rank() in x._spec.placement:
         x._local.bernoulli_(p, generator=gen)
+    assign(args[0], x._local, x._spec)  # (a partial tensor's draws, made partial again)
     return args[0]
 
 

@@ -2,8 +2,9 @@
 
 They act elementwise on lists of tensors, so index i of every tensor list is
 aligned to the layout of the first list's i-th tensor (partial sums reduced),
-tensors the op writes take that layout in place, and the one fused or foreach
-kernel runs on the local lists. Norms go through the norm rule per tensor.
+and the one fused or foreach kernel runs on the local lists; a tensor the op
+writes keeps its own layout (a partial one is written reduced, then made partial
+again). Norms go through the norm rule per tensor.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from sbp import comm, env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
-from sbp.ops.registry import LOCAL_STATE_OPS, keep_layout_while_tracing, rebox, register
+from sbp.ops.registry import LOCAL_STATE_OPS, rebox, register
+from sbp.ops.writes import assign
 from sbp.signature import broadcast, partials_to_broadcast
 
 aten = torch.ops.aten
@@ -55,6 +57,7 @@ def list_rule(func, args, kwargs):
     targets = [partials_to_broadcast(t._spec.nd_sbp) for t in first]
     placement = first[0]._spec.placement
     local_args = list(args)
+    write_back = []
     for li in lists:
         locals_ = []
         for i, t in enumerate(args[li]):
@@ -66,8 +69,7 @@ def list_rule(func, args, kwargs):
                 continue
             aligned = rebox(t, targets[i])
             if li in written and aligned is not t:
-                keep_layout_while_tracing(func, t._spec, aligned._spec)
-                t._local, t._spec = aligned._local, aligned._spec
+                write_back.append((t, aligned))
             locals_.append(aligned._local)
         local_args[li] = locals_
     for i, a in enumerate(args):
@@ -78,7 +80,10 @@ def list_rule(func, args, kwargs):
         for k, v in kwargs.items()
     }
     specs = [t._spec._replace(nd_sbp=nd) for t, nd in zip(first, targets, strict=True)]
-    return _run(func, local_args, local_kwargs, placement, specs)
+    out = _run(func, local_args, local_kwargs, placement, specs)
+    for t, aligned in write_back:  # (in t's own layout: in-place ops keep it)
+        assign(t, aligned._local, aligned._spec)
+    return out
 
 
 def _aligned_locals(args, kwargs):

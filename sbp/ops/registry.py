@@ -24,10 +24,11 @@ import torch
 from sbp import env, local_constants
 from sbp.boxing import plan_specs
 from sbp.comm import stats
-from sbp.comm.functional import tracing
-from sbp.errors import PlacementError, SbpSignatureError
+from sbp.errors import PlacementError
 from sbp.layout import GlobalSpec
-from sbp.signature import SBP, broadcast, format_nd_sbp, partials_to_broadcast, split
+from sbp.ops.writes import assign, is_view, mark_view, written
+from sbp.ops.writes import is_written as is_inplace
+from sbp.signature import SBP, broadcast, partials_to_broadcast, split
 
 _rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
@@ -363,7 +364,10 @@ _SAME_LAYOUT_VIEWS = frozenset((torch.ops.aten.detach.default, torch.ops.aten.al
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if func in _SAME_LAYOUT_VIEWS:
         g = args[0]
-        return _global_type()(func._op(g._local), g._spec)
+        out = _global_type()(func._op(g._local), g._spec)
+        if g._copy_of is not None:  # a view of a copy: writes go on up
+            mark_view(func, args, kwargs, [out], False, False)
+        return out
     if func in _list_ops:
         if observers:
             observers[-1].custom(func, args)
@@ -382,13 +386,22 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         local = [a._local if type(a) is GT else a for a in flat]
         if tree is _PLAIN:
             out = func._op(*local)
-            return flat[0] if d.direct_inplace else GT(out, d.direct)
-        largs, lkwargs = unflatten(local, tree)
-        if d.direct_size is not None:  # views: the local size, fixed by the output spec
-            largs = (largs[0], d.direct_size, *largs[2:])
-            return GT(local_view(func, largs, lkwargs), d.direct)
-        out = func._op(*largs, **lkwargs)
-        return flat[0] if d.direct_inplace else GT(out, d.direct)
+        else:
+            largs, lkwargs = unflatten(local, tree)
+            if d.direct_size is not None:  # views: the local size, fixed by the output spec
+                largs = (largs[0], d.direct_size, *largs[2:])
+                out, copied = local_view(func, largs, lkwargs)
+                out = GT(out, d.direct)
+                if copied or flat[0]._copy_of is not None:
+                    mark_view(func, *unflatten(flat, tree), [out], False, copied)
+                return out
+            out = func._op(*largs, **lkwargs)
+        if d.direct_inplace:
+            return written(flat[0])
+        out = GT(out, d.direct)
+        if d.view and flat[0]._copy_of is not None:  # a view of a copy: writes go on up
+            mark_view(func, *unflatten(flat, tree), [out], False, False)
+        return out
     rule = _resolve(func)
     if type(rule) is StrategyRule:
         if rule is _FALLBACK:
@@ -397,23 +410,28 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if observers and observers[-1].custom(func, args):
         watcher = observers.pop()  # it takes the op as a whole: not the ops its rule runs
         try:
-            return rule(func, args, kwargs)
+            out = rule(func, args, kwargs)
         finally:
             observers.append(watcher)
-    return rule(func, args, kwargs)
+    else:
+        out = rule(func, args, kwargs)
+    if is_inplace(func) and type(args[0]) is _global_type():
+        written(args[0])  # (a view sbp had to copy passes the write on to its base)
+    return out
 
 
 def local_view(func, largs: tuple, lkwargs: dict) -> Any:
     """A view op's local call. A global tensor claims a contiguous layout, so a view of a
     permuted one (`x.permute(...).reshape(...)`, which torch turns into a view of a
     contiguous tensor) is valid logically while its local tensor cannot be viewed: then
-    the view runs on a contiguous copy, as reshape would copy it."""
+    the view runs on a contiguous copy, as reshape would copy it. Returns (the local view,
+    whether it is a copy)."""
     try:
-        return func._op(*largs, **lkwargs)
+        return func._op(*largs, **lkwargs), False
     except (RuntimeError, ValueError):  # (eager tensors raise the one, fake tensors the other)
         if largs[0].is_contiguous():
             raise
-        return func._op(largs[0].contiguous(), *largs[1:], **lkwargs)
+        return func._op(largs[0].contiguous(), *largs[1:], **lkwargs), True
 
 
 # ---------------------------------------------------------------- the strategy engine
@@ -438,15 +456,36 @@ class Decision:
     direct: GlobalSpec | None = None
     direct_size: list | None = None  # the size argument of a view op on this rank
     direct_inplace: bool = False  # writes its first argument, whose layout stays (an optimizer's)
+    write_back: bool = False  # in place, but no candidate keeps the layout: re-box, copy in
+    view: bool = False  # returns views of its first argument (sbp.ops.writes)
+
+
+def _per_dim_candidates(func, candidates: list, self_spec: GlobalSpec) -> tuple[list, bool]:
+    """The candidates for each hierarchy dim, and whether the op must write its result back.
+
+    An in-place op keeps its input's layout, as torch keeps the tensor it writes: only the
+    candidates that take and give the input's own sbp on a dim qualify there. Where a dim
+    has none (`p.exp_()` on a partial sum), the op runs on all candidates and its result is
+    re-boxed to the input's layout and copied in (`Decision.write_back`).
+    """
+    n = self_spec.placement.ndim
+    if not is_inplace(func):
+        return [candidates] * n, False
+    keeping = [
+        [c for c in candidates if c.inputs[0] == s and c.outputs[0] == s] for s in self_spec.nd_sbp
+    ]
+    if all(keeping):
+        return keeping, False
+    return [candidates] * n, True
 
 
 def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
     metas, tree = _outputs_on_meta(func, args, kwargs)
     call = Call(func, args, kwargs, specs, metas)
-    candidates = list(rule.candidates(call))
+    per_dim, write_back = _per_dim_candidates(func, list(rule.candidates(call)), specs[0])
     P = specs[0].placement
     best, best_cost = None, None
-    for combo in itertools.product(candidates, repeat=P.ndim):
+    for combo in itertools.product(*per_dim):
         req = tuple(
             s._replace(nd_sbp=tuple(c.inputs[j] for c in combo)) for j, s in enumerate(specs)
         )
@@ -486,7 +525,18 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         direct = outs[0]
         direct_size = list(outs[0].local_shape(me)) if sized else None
     inplace = direct is not None and is_inplace(func)
-    return Decision(req, tuple(outs), tree, inside, empty_here, direct, direct_size, inplace)
+    return Decision(
+        req,
+        tuple(outs),
+        tree,
+        inside,
+        empty_here,
+        direct,
+        direct_size,
+        inplace,
+        write_back,
+        is_view(func),
+    )
 
 
 def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision:
@@ -497,21 +547,6 @@ def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)  # the least recently used (hits move to the end)
     return d
-
-
-_inplace: dict = {}
-
-
-def is_inplace(func) -> bool:
-    """Does `func` write into its first argument and return it (`add_`, `bernoulli_`, ...)?"""
-    found = _inplace.get(func)
-    if found is None:
-        args = func._schema.arguments
-        alias = args[0].alias_info if args else None
-        found = _inplace[func] = bool(
-            alias is not None and alias.is_write and not args[0].kwarg_only
-        )
-    return found
 
 
 def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
@@ -529,13 +564,14 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
     if observers:
         observers[-1].strategy(func, rule, [flat[i] for i in gpos], d)
     inplace = is_inplace(func)
-    if inplace:
-        keep_layout_while_tracing(func, flat[gpos[0]]._spec, d.out_specs[0])
     inside = d.inside
+    copied = False
     local_flat = list(flat)
     for i, req in zip(gpos, d.in_specs, strict=True):
         g = flat[i]
         local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
+    if d.write_back:  # the op writes a copy (boxing may hand back a view of the input)
+        local_flat[gpos[0]] = local_flat[gpos[0]].clone()
     if inside:
         leaves = (
             None
@@ -552,7 +588,7 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
                     func, largs, lkwargs, env.get_rank(), d.in_specs, d.out_specs
                 )
             if getattr(rule.local_args, "size_from_output", False):
-                out = local_view(func, largs, lkwargs)
+                out, copied = local_view(func, largs, lkwargs)
             else:
                 out = func(*largs, **lkwargs)
             leaves, _ = flatten_outputs(out)
@@ -565,27 +601,17 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         leaves = [None if s is None else empty_local(s) for s in d.out_specs]
     if inplace:
         self_ = flat[gpos[0]]
-        if inside:
-            self_._local = local_flat[gpos[0]]  # the op wrote into it (boxed first if needed)
-        self_._spec = d.out_specs[0]
-        return self_
+        if d.write_back:
+            assign(self_, local_flat[gpos[0]], d.out_specs[0])
+        return written(self_)  # (the op wrote into its local tensor: the layout is the input's)
     wrapped = [
         GlobalTensor(t, s) if s is not None and isinstance(t, torch.Tensor) else t
         for t, s in zip(leaves, d.out_specs, strict=True)
     ]
+    if d.view:
+        args, kwargs = unflatten(flat, tree)
+        mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
-
-
-def keep_layout_while_tracing(func, before: GlobalSpec, after: GlobalSpec) -> None:
-    """An in-place op that would change its input's layout cannot be traced: the graph
-    input's spec is the compiled program's metadata (torch.compile forbids changing it), and
-    the new local tensor would not be the input's. Same error on every rank (specs agree)."""
-    if before != after and tracing():
-        raise SbpSignatureError(
-            f"{func}: under torch.compile this in-place op would change its input from sbp "
-            f"{format_nd_sbp(before.nd_sbp)} to {format_nd_sbp(after.nd_sbp)}; use the "
-            f"out-of-place op, or convert the input with .to_global(sbp=...) first"
-        )
 
 
 def rebox(g, nd_sbp) -> Any:

@@ -23,6 +23,7 @@ from sbp.ops.registry import (
     register_strategy,
     trusted_constant,
 )
+from sbp.ops.writes import assign
 from sbp.signature import broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -332,7 +333,7 @@ def index_put(func, args, kwargs):
         return GlobalTensor(out, xb._spec)
     if inside:
         func(xb._local, local_idx, vb._local, *args[3:], **kwargs)
-    x._local, x._spec = xb._local, xb._spec
+    assign(x, xb._local, xb._spec)  # (in x's own layout: in-place ops keep it)
     return x
 
 

@@ -1,0 +1,212 @@
+"""In-place writes: the written tensor keeps its layout, and a view sbp had to copy passes
+the write on to the tensor it views.
+
+torch users rely on two promises of an in-place op: the tensor keeps being the same tensor
+(its layout, here), and a write into a view is a write into its base (`h[:, :4].add_(x)`,
+`q, k, v = qkv.chunk(3, -1); q.mul_(s)`). A global view is a view of its base's local tensor
+only where the op needs no data moved; where its input had to be re-boxed (a slice across a
+split dim, say) it is a copy. Such a copy remembers which part of its base it shows, and a
+write into it is written into that part of the base (in logical coordinates, as
+`g[index] = value` is), whatever the layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sbp import env
+
+aten = torch.ops.aten
+
+# What a view of a copy remembers of its base: (base, part). The part is a list of one int or
+# slice per base dim, RESHAPED (its elements in the base's order), or None (no way back), where
+# the op re-boxed its input (the same on every rank); LOCAL where this rank's local view had to
+# be a contiguous copy (`sbp.ops.registry.local_view`); ALIASED for a true view of a base that
+# is itself a copy, so that a write into it still reaches the base's base.
+RESHAPED, LOCAL, ALIASED = "reshaped", "local", "aliased"
+_SLICES = {aten.slice.Tensor, aten.narrow.default}
+_SPLITS = {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.unbind.int,
+}
+_RESHAPES = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+}
+
+
+_written: dict = {}
+_views: dict = {}
+
+
+def is_written(func) -> bool:
+    """Does `func` write into its first argument and return it (`add_`, `copy_`, ...)?"""
+    found = _written.get(func)
+    if found is None:
+        args = func._schema.arguments
+        alias = args[0].alias_info if args else None
+        found = _written[func] = bool(
+            alias is not None and alias.is_write and not args[0].kwarg_only
+        )
+    return found
+
+
+def is_view(func) -> bool:
+    """Does `func` return a view of its first argument (`slice`, `view`, `chunk`, ...)?"""
+    found = _views.get(func)
+    if found is None:
+        returns = func._schema.returns
+        found = _views[func] = (
+            bool(returns) and returns[0].alias_info is not None and not is_written(func)
+        )
+    return found
+
+
+def _dim(args: tuple, kwargs: dict, pos: int, ndim: int) -> int:
+    d = args[pos] if len(args) > pos else kwargs.get("dim", 0)
+    return d + ndim if d < 0 else d
+
+
+def _part(func, args: tuple, kwargs: dict, k: int, outs: list) -> Any:
+    """Which part of the base output `k` of view op `func` shows (see RESHAPED)."""
+    if func in _RESHAPES:
+        return RESHAPED
+    base = args[0]
+    ndim = base.dim()
+    if func is aten.select.int:
+        dim = _dim(args, kwargs, 1, ndim)
+        index = args[2] if len(args) > 2 else kwargs["index"]
+        return _at(ndim, dim, index)
+    if func in _SLICES:
+        dim = _dim(args, kwargs, 1, ndim)
+        if func is aten.narrow.default:
+            start, length = args[2], args[3]
+            return _at(ndim, dim, slice(start, start + length))
+        start = args[2] if len(args) > 2 else kwargs.get("start")
+        end = args[3] if len(args) > 3 else kwargs.get("end")
+        step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+        return _at(ndim, dim, slice(start, end, step))
+    if func in _SPLITS:
+        dim = _dim(args, kwargs, 1 if func is aten.unbind.int else 2, ndim)
+        if func is aten.unbind.int:
+            return _at(ndim, dim, k)
+        start = sum(o.shape[dim] for o in outs[:k])
+        return _at(ndim, dim, slice(start, start + outs[k].shape[dim]))
+    return None
+
+
+def _at(ndim: int, dim: int, item: Any) -> list:
+    return [slice(None)] * dim + [item] + [slice(None)] * (ndim - dim - 1)
+
+
+def mark_view(func, args: tuple, kwargs: dict, outs: list, boxed: bool, copied: bool) -> None:
+    """After view op `func` ran on `args[0]`: where its input was re-boxed (`boxed`, the same
+    on every rank) its outputs are copies; where this rank copied the local view (`copied`),
+    or the base is itself a copy, they pass writes on too. Each remembers its part."""
+    base = args[0]
+    if boxed:
+        parts = [_part(func, args, kwargs, k, outs) for k in range(len(outs))]
+    elif copied:
+        parts = [LOCAL] * len(outs)
+    elif base._copy_of is not None:
+        parts = [ALIASED] * len(outs)
+    else:
+        return
+    for out, part in zip(outs, parts, strict=True):
+        if out is not None:
+            out._copy_of = (base, part)
+
+
+def written(g) -> Any:
+    """Call after every in-place write into `g`; returns `g`. A copied view passes the new
+    values on to its base (and so on up, where the base is a copied view too)."""
+    if g._copy_of is None:
+        return g
+    from sbp.errors import SbpSignatureError
+
+    base, part = g._copy_of
+    if part is None:
+        raise SbpSignatureError(
+            f"an in-place write into a view of sbp {g.sbp} that had to be copied from its base "
+            f"(of sbp {base.sbp}) cannot reach the base; use the out-of-place op, or convert "
+            "the base with .to_global(sbp=...) before taking the view"
+        )
+    with torch.no_grad():
+        if part is LOCAL:
+            base._local.copy_(g._local.reshape(base._local.shape))
+        elif part is RESHAPED:
+            value = g.reshape(base.shape)
+            assign(base, value._local, value._spec)
+        elif part is not ALIASED:
+            write_part(base, part, g)
+    return written(base)
+
+
+def assign(g, local: torch.Tensor, spec) -> None:
+    """Make `local` (laid out as `spec`) `g`'s value in `g`'s own layout and local tensor."""
+    from sbp.tensor import box
+
+    if local is not g._local:
+        g._local.copy_(box(local, spec, g._spec) if spec != g._spec else local)
+
+
+# ---------------------------------------------------------------- logical slices
+
+
+def local_part(item: Any, size: int, lo: int, hi: int) -> tuple[Any, Any] | None:
+    """(local index, index into the value) of the logical `item` on a shard [lo, hi), or None."""
+    if isinstance(item, int):
+        i = item + size if item < 0 else item
+        return (i - lo, None) if lo <= i < hi else None
+    start, stop, step = item.indices(size)
+    first = max(lo, start)
+    k0 = -(-(first - start) // step)
+    i0 = start + k0 * step
+    end = min(hi, stop)
+    if i0 >= end:
+        return None
+    count = len(range(i0, end, step))
+    return slice(i0 - lo, i0 - lo + (count - 1) * step + 1, step), slice(k0, k0 + count)
+
+
+def write_part(g, items: list, value: Any) -> None:
+    """Write `value` (a global tensor on `g`'s placement, or a number) into the logical part
+    `items` (one int or slice per dim) of `g`: each rank writes what falls in its shard, in
+    `g`'s layout, with no communication of `g`'s. Along a partial sum only the first rank
+    of the group writes the value and the others zeros; a partial max or min is written
+    the value everywhere."""
+    if isinstance(value, torch.Tensor) and hasattr(value, "_spec"):
+        value = value.full_tensor()
+    me = env.get_rank()
+    if me not in g.placement:
+        return
+    coord = g.placement.coord(me)
+    summed = [c for c, s in zip(coord, g.sbp, strict=True) if s.is_partial and s.op == "sum"]
+    _write_local_part(g, items, value if not any(summed) else 0)
+
+
+def _write_local_part(g, items: list, value: Any) -> None:
+    sizes = [
+        len(range(*i.indices(n)))
+        for i, n in zip(items, g.shape, strict=True)
+        if isinstance(i, slice)
+    ]
+    value = torch.as_tensor(value, dtype=g.dtype, device=g._local.device).expand(sizes)
+    local_index, value_index = [], []
+    for item, size, (lo, hi) in zip(items, g.shape, g._spec.ranges(env.get_rank()), strict=True):
+        part = local_part(item, size, lo, hi)
+        if part is None:
+            return  # nothing of the slice lives on this rank
+        local_index.append(part[0])
+        if part[1] is not None:
+            value_index.append(part[1])
+    g._local[tuple(local_index)] = value[tuple(value_index)]

@@ -1,0 +1,172 @@
+"""In-place writes (sbp.ops.writes): the written tensor keeps its layout, and a write into a
+view reaches its base even where sbp had to copy the view (a slice across a split dim, a
+chunk of a split dim, a view that loses a split). Each case runs on single-process torch
+tensors and on global ones (worlds of 2 and 4, uneven shapes), in float64; the logical
+results must match and every written tensor must keep its sbp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sbp
+
+S0, S1, B, P = sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum
+SHAPE = (5, 7)  # uneven over 2 and 4 ranks on both dims
+
+
+def _logical(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _slice_of_broadcast_gets_split(make):
+    h, x = make(_logical(SHAPE, 0), B), make(_logical((5, 4), 1), S0)
+    h[:, :4].add_(x)
+    return [h]
+
+
+def _slice_across_split(make):
+    h, x = make(_logical(SHAPE, 0), S1), make(_logical((5, 4), 1), B)
+    h[:, 1:5].add_(x)
+    return [h]
+
+
+def _augmented_slice_assignment(make):
+    h, x = make(_logical(SHAPE, 0), S1), make(_logical((5, 3), 1), S0)
+    h[:, 2:5] += x
+    return [h]
+
+
+def _select_across_split(make):
+    h = make(_logical(SHAPE, 0), S0)
+    h[3].mul_(-2)
+    h.select(1, 6).fill_(0.5)
+    return [h]
+
+
+def _chunks_of_split_dim(make):
+    qkv = make(_logical((5, 9), 0), S1)
+    q, k, v = qkv.chunk(3, dim=-1)
+    q.mul_(0.25)
+    v.zero_()
+    return [qkv, k]
+
+
+def _unbind_split_dim(make):
+    t = make(_logical((5, 3), 0), S1)
+    a, b, c = t.unbind(1)
+    b.add_(a)
+    return [t]
+
+
+def _view_losing_its_split(make):
+    x = make(_logical((4, 6), 0), S1)
+    x.view(24).add_(1)
+    x.view(2, 12).mul_(3)
+    return [x]
+
+
+def _view_of_a_copied_view(make):
+    h = make(_logical(SHAPE, 0), S1)
+    h[:, :4][1].fill_(7.0)  # a select (a true view) of a slice across the split (a copy)
+    h[:, 3:].t()[0].sub_(1)
+    return [h]
+
+
+def _write_back_partial(make):
+    p = make(_logical(SHAPE, 0), P)
+    p.exp_()  # no partial candidate: computed reduced, made partial again
+    q = make(_logical(SHAPE, 1), P)
+    q.fill_(3.0)
+    return [p, q]
+
+
+def _partial_plus_broadcast(make):
+    p, b = make(_logical(SHAPE, 0), P), make(_logical(SHAPE, 1), B)
+    p.add_(b)
+    b.mul_(p)
+    return [p, b]
+
+
+def _index_put_keeps_split(make):
+    x = make(_logical(SHAPE, 0), S0)
+    x[torch.tensor([0, 4, 2])] = make(_logical((3, 7), 1), B)
+    x[x < 0] = 0.0
+    return [x]
+
+
+CASES = [
+    (_slice_of_broadcast_gets_split, [B]),
+    (_slice_across_split, [S1]),
+    (_augmented_slice_assignment, [S1]),
+    (_select_across_split, [S0]),
+    (_chunks_of_split_dim, [S1, None]),
+    (_unbind_split_dim, [S1]),
+    (_view_losing_its_split, [S1]),
+    (_view_of_a_copied_view, [S1]),
+    (_write_back_partial, [P, P]),
+    (_partial_plus_broadcast, [P, B]),
+    (_index_put_keeps_split, [S0]),
+]
+
+
+def _run_global(case):
+    placement = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
+    made = []
+
+    def make(t, layout):
+        g = sbp.tensor(t, placement=placement, sbp=layout)
+        made.append(g)
+        return g
+
+    outs = case(make)
+    return [(o.full_tensor(), o.sbp) for o in outs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case, layouts", CASES, ids=[c.__name__.strip("_") for c, _ in CASES])
+def test_write_equals_one_process_and_keeps_layout(case, layouts, world, pool2, pool4):
+    want = case(lambda t, layout: t.clone())
+    pool = pool2 if world == 2 else pool4
+    for outs in pool.run(_run_global, case):
+        for (got, layout), w, keep in zip(outs, want, layouts, strict=True):
+            torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+            if keep is not None:
+                assert layout == (keep,)
+
+
+def _slice_write_under_autograd():
+    placement = sbp.placement("cpu", [0, 1])
+    w = sbp.tensor(_logical(SHAPE, 0), placement=placement, sbp=S1).requires_grad_()
+    y = w * 1.0
+    y[:, 1:5].mul_(3.0)  # recorded by autograd (CopySlices), written through by sbp
+    (y * y).sum().backward()
+    return y.full_tensor().detach(), w.grad.full_tensor()
+
+
+def test_write_into_copied_view_under_autograd(pool2):
+    w = _logical(SHAPE, 0).requires_grad_()
+    y = w * 1.0
+    y[:, 1:5].mul_(3.0)
+    (y * y).sum().backward()
+    for got_y, got_grad in pool2.run(_slice_write_under_autograd):
+        torch.testing.assert_close(got_y, y.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_grad, w.grad, rtol=1e-12, atol=1e-12)
+
+
+def _write_with_no_way_back():
+    placement = sbp.placement("cpu", [0, 1])
+    x = sbp.tensor(_logical((4, 4), 0), placement=placement, sbp=S0)
+    try:
+        x.diagonal().mul_(2.0)  # (the diagonal of a split matrix is gathered: a copy)
+    except sbp.SbpError as e:
+        return type(e).__name__, str(e), x.full_tensor()
+    return None, "", x.full_tensor()
+
+
+def test_write_into_a_copy_with_no_way_back_is_refused_on_every_rank(pool2):
+    for name, message, x in pool2.run(_write_with_no_way_back):
+        assert name == "SbpSignatureError"
+        assert "cannot reach the base" in message
+        torch.testing.assert_close(x, _logical((4, 4), 0))
