@@ -39,6 +39,7 @@ def _expand(index: Any, ndim: int) -> list | None:
 def setitem(g, index: Any, value: Any) -> bool:
     """Write `value` into the logical slice `index` of `g`; False when torch's path must do it."""
     from sbp.errors import PlacementError
+    from sbp.ops import registry
     from sbp.ops.writes import write_part, written
     from sbp.tensor import GlobalTensor
 
@@ -58,6 +59,8 @@ def setitem(g, index: Any, value: Any) -> bool:
             f"__setitem__: value is a local torch.Tensor of shape {tuple(value.shape)}; "
             "make it global first (value.to_global(placement, sbp))"
         )
+    if registry.observers:  # (the data-parallel check: these writes are not aten ops)
+        registry.observers[-1].write(g, items, value)
     write_part(g, items, value)
     written(g)  # a view sbp had to copy passes the write on to its base
     torch.autograd.graph.increment_version(g)  # autograd sees the write, as for x[i] = v

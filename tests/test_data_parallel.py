@@ -11,6 +11,7 @@ import copy
 import functools
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -1119,7 +1120,9 @@ class ExpandsToTheBatch(torch.nn.Module):
     batch (a ViT's class token) from the input's batch size, or a hard-coded one; the
     batch size read as a number, also where BatchNorm hides it from the outputs (not from
     its running statistics) or an output holds -inf; rows of a zero parameter, equal only
-    by chance; a value that differs along the batch (arange); a write into the input."""
+    by chance; a value that differs along the batch (arange); a write into the input; the
+    batch's values written into a broadcast buffer (a queue, as MoCo keeps), by assignment
+    or added in place."""
 
     def __init__(self, kind="input"):
         super().__init__()
@@ -1127,6 +1130,7 @@ class ExpandsToTheBatch(torch.nn.Module):
         self.token = torch.nn.Parameter(torch.randn(1, 3))
         self.slots = torch.nn.Parameter(torch.zeros(10, 3))
         self.register_buffer("types", torch.zeros(1, 8))
+        self.register_buffer("queue", torch.zeros(12, 3))
         self.norm = torch.nn.BatchNorm1d(3)
 
     def forward(self, x):
@@ -1142,6 +1146,10 @@ class ExpandsToTheBatch(torch.nn.Module):
         if kind == "writes its input":
             x.sub_(1.0)
         h = self.body(x + self.types.expand(n, -1))
+        if kind == "queue":
+            self.queue[:n] = h.detach()
+        elif kind == "adds into a queue":
+            self.queue[:n].add_(h.detach())
         out = torch.cat([self.token.expand(n, -1), h], dim=1)
         if kind == "arange":
             mode = sbp.global_mode(x.placement) if x.is_global else contextlib.nullcontext()
@@ -1158,6 +1166,8 @@ FAST_OR_NOT = {
     "hidden by BatchNorm": "per-op",
     "zero rows": "per-op",
     "arange": "per-op",
+    "queue": "per-op",
+    "adds into a queue": "per-op",
 }
 
 
@@ -1177,6 +1187,26 @@ def test_what_the_check_alone_cannot_judge(pool2, kind):
         assert _rel(params, ref[1]) < 1e-12
         for b, want in zip(buffers, ref[2], strict=True):
             torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-12)
+
+
+def _why_per_op(kind):
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = ExpandsToTheBatch(kind).double().to_global(P, B)
+    sbp.nn.data_parallel(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(_global(_data(steps=1)[0][0], P))
+    return [str(w.message) for w in seen if "runs op by op" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind", ["queue", "adds into a queue"])
+def test_the_check_itself_refuses_batch_rows_written_into_a_buffer(pool2, kind):
+    """Not left to the first local run's comparison (equal values would pass it): the check
+    sees the write (`g[index] = value` is no aten op there) or the gathered rows."""
+    want = "writes a value laid out as" if kind == "queue" else "needs its inputs moved"
+    for messages in pool2.run(_why_per_op, kind):
+        assert len(messages) == 1 and want in messages[0], messages
 
 
 def _hard_coded_batch():

@@ -208,6 +208,23 @@ class _Check:
         elif func in self.DROPOUT:
             self.dropouts += 1
 
+    def write(self, g: GlobalTensor, items: list, value: Any) -> None:
+        """`g[items] = value`, written in logical coordinates: the local run writes the same
+        index into its local tensor, which is exact where `g` is taken whole along every dim
+        it splits and the value is a number, or laid out as `g` with those dims whole too
+        (a queue buffer given the batch's rows, `queue[:n] = h`, is not)."""
+        splits = [s.dim for s in g.sbp if s.is_split]
+        whole = all(items[d] == slice(None) for d in splits)
+        if isinstance(value, GlobalTensor):
+            laid_out = tuple(value.sbp) == tuple(g.sbp) and value.dim() == g.dim()
+            fits = laid_out and all(value.shape[d] == g.shape[d] for d in splits)
+            shown = f"a value laid out as {value.sbp}"
+        else:
+            fits = not isinstance(value, torch.Tensor) or value.dim() == 0
+            shown = "a local tensor"
+        if any(s.is_partial for s in g.sbp) or not (whole and fits):
+            self._fail(f"`g[index] = value` writes {shown} into a tensor laid out as {g.sbp}")
+
     def _loss(self, func, x, target, weight, reduction, ignore_index) -> None:
         """A loss the local run computes as the rule does: scores and labels laid out as the
         batch, whole class weights (that need no gradient, as torch requires)."""

@@ -350,8 +350,8 @@ _list_ops: set = set()
 
 # Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
 # objects with direct(func, decision), strategy(func, rule, global inputs, decision),
-# custom(func, args)
-# (true where it takes that op as a whole: the ops its rule runs are then not watched).
+# custom(func, args) (true where it takes that op as a whole: the ops its rule runs are
+# then not watched), and write(g, items, value) for `g[items] = value` (sbp.setitem).
 observers: list = []
 
 
