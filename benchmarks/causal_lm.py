@@ -9,7 +9,9 @@ randomly initialised GPT-2, timed side by side for
   ddp          torch DistributedDataParallel on the shard (the anchor in a world of 2)
   sbp-fast     global model and batch under `sbp.global_mode`: the fast path
   sbp-op-by-op the same with the fast path off (`sbp.nn.data_parallel(model, fast=False)`)
-Worlds of 1 and 2. Needs the `hf` extra (transformers).
+Worlds of 1 and 2. `--padded` passes an attention mask, with padding in every other
+sequence (whose labels are -100), as a tokenizer padding a batch gives it. Needs the `hf`
+extra (transformers).
 
 Run `python benchmarks/causal_lm.py` (about a minute).
 """
@@ -49,18 +51,28 @@ def _model(cfg: dict):
     return GPT2LMHeadModel(config)
 
 
-def _step(model, ids, context=None) -> Callable[[], Any]:
+def _step(model, batch: dict, context=None) -> Callable[[], Any]:
     def step():
         model.zero_grad(set_to_none=True)
         if context is None:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(**batch, use_cache=False).loss
         else:
             with context():
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss = model(**batch, use_cache=False).loss
         loss.backward()
         return loss
 
     return step
+
+
+def _batch(cfg: dict) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    if not cfg["padded"]:
+        return {"input_ids": ids, "labels": ids}
+    mask = torch.ones_like(ids)
+    mask[1::2, cfg["seq"] * 3 // 4 :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _methods(rank: int, world: int, cfg: dict) -> tuple[dict[str, Callable[[], Any]], Any]:
@@ -68,19 +80,20 @@ def _methods(rank: int, world: int, cfg: dict) -> tuple[dict[str, Callable[[], A
     import sbp
     import sbp.nn
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     P = sbp.placement("cpu", list(range(world)))
-    local = ids[sbp.local_slices(ids.shape, P, sbp.split(0), P.coord(rank))].contiguous()
+    local = {
+        k: v[sbp.local_slices(v.shape, P, sbp.split(0), P.coord(rank))].contiguous()
+        for k, v in _batch(cfg).items()
+    }
     methods = {"torch": _step(_model(cfg), local)}
     if world > 1:
         methods["ddp"] = _step(torch.nn.parallel.DistributedDataParallel(_model(cfg)), local)
-    gids = sbp.to_global(local, P, sbp.split(0))
+    placed = sbp.to_global(local, P, sbp.split(0))
     models = {}
     for name, fast in (("sbp-fast", True), ("sbp-op-by-op", False)):
         models[name] = _model(cfg).to_global(P, sbp.broadcast)
         sbp.nn.data_parallel(models[name], fast=fast)
-        methods[name] = _step(models[name], gids, lambda: sbp.global_mode(P))
+        methods[name] = _step(models[name], placed, lambda: sbp.global_mode(P))
     return methods, models["sbp-fast"]
 
 
@@ -138,15 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--padded", action="store_true", help="with an attention mask")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    keys = ("batch", "seq", "width", "layers", "vocab", "warmup", "rounds")
+    keys = ("batch", "seq", "width", "layers", "vocab", "warmup", "rounds", "padded")
     cfg = {k: getattr(args, k) for k in keys}
     rows = [row for world in args.worlds for row in common.gather_rows(_worker, world, cfg)]
     common.print_report(_report(rows), {})
     payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
     out = None if args.out is None else Path(args.out)
-    path = common.write_results("causal-lm", payload, out)
+    path = common.write_results("causal-lm-padded" if args.padded else "causal-lm", payload, out)
     print(f"wrote {path[0]}")
 
 

@@ -71,8 +71,7 @@ def make_model(args: argparse.Namespace, tokenizer: CharTokenizer) -> GPT2LMHead
         attn_pdrop=args.dropout,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        # (no pad_token_id, as GPT-2's own config: given one, transformers looks for pads in
-        # the whole batch's input_ids, which the fast path cannot split, and runs op by op)
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(config)
@@ -126,16 +125,14 @@ def main(argv: list[str] | None = None) -> None:
             truncation=True,
             max_length=args.seq_len,
         )
-        # Padding is on the right and attention causal: no real token attends to a pad, so
-        # the model needs no attention_mask, and the pads' labels are -100 (not learnt).
+        # the pads' labels are -100: not learnt
         labels = input_batch["input_ids"].masked_fill(input_batch["attention_mask"] == 0, -100)
-        batch = {"input_ids": input_batch["input_ids"], "labels": labels}
+        batch = dict(input_batch, labels=labels)
         batch = sbp.to_global({k: v.to(device) for k, v in batch.items()}, P, sbp.split(0))
         with sbp.global_mode(P):
-            # The model, its loss included, runs on each rank's shard (sbp's data-parallel
-            # fast path). It runs op by op, as exact but slower, given an attention_mask
-            # (transformers tests the whole batch for padding) or a KV cache to return
-            # (use_cache: it would hold the shards' local tensors).
+            # The model, its loss and attention mask included, runs on each rank's shard
+            # (sbp's data-parallel fast path). It would run op by op, as exact but slower,
+            # with a KV cache to return (use_cache: it would hold the shards' local tensors).
             loss = model(**batch, use_cache=False).loss
         loss.backward()
         optimizer.step()

@@ -1,7 +1,7 @@
 """examples/gpt2_data_parallel.py on 2 processes through the launcher: its losses equal plain
 torch training on one process on the same global batches (dropout 0), training runs on the
-data-parallel fast path (the loss `labels=` asks for included), and the saved model reloads
-with `from_pretrained` to the trained model's loss."""
+data-parallel fast path (the loss `labels=` asks for and the attention mask included), and
+the saved model reloads with `from_pretrained` to the trained model's loss."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _reference_losses(ex, world: int) -> tuple[list[float], float]:
         inputs = tok(texts, padding="max_length", truncation=True, max_length=args.seq_len)
         labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
         model.zero_grad()
-        loss = model(input_ids=inputs["input_ids"], labels=labels).loss
+        loss = model(**inputs, labels=labels).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())

@@ -1,7 +1,7 @@
 """transformers models trained on global tensors through the data-parallel fast path, their
 loss (`labels=`) included: small randomly initialised BERT (given its token type ids, as
-its tokenizer does), Llama and ViT in a world of 2 equal one process on the logical batch
-(float64), and run on the local shards."""
+its tokenizer does), Llama and ViT in a world of 2, with and without an attention mask,
+equal one process on the logical batch (float64), and run on the local shards."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ BATCH, TOKENS, VOCAB = 4, 12, 100
 def _model(name: str):
     import transformers as T
 
+    name = name.removesuffix("-padded")
     torch.manual_seed(0)
     if name == "bert":
         config = T.BertConfig(
@@ -66,16 +67,23 @@ def _batches(name: str, steps: int = 2) -> list[dict]:
             out.append({"pixel_values": pixels, "labels": labels})
             continue
         ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=g)
-        batch = {"input_ids": ids, "labels": ids if name == "llama" else labels}
-        if name == "bert":  # (as its tokenizer gives them: BERT's own default is a buffer
-            # expanded to the batch and embedded, rows equal by value only: op by op)
+        causal = name.startswith("llama")
+        batch = {"input_ids": ids, "labels": ids if causal else labels}
+        if name.startswith("bert"):  # (as its tokenizer gives them: BERT's own default is a
+            # buffer expanded to the batch and embedded, rows equal by value only: op by op)
             batch["token_type_ids"] = torch.zeros_like(ids)
+        if name.endswith("-padded"):  # the first half unpadded, the second padded
+            mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
+            mask[BATCH // 2, TOKENS - 3 :] = mask[BATCH - 1, TOKENS // 2 :] = 0
+            batch["attention_mask"] = mask
+            if causal:
+                batch["labels"] = ids.masked_fill(mask == 0, -100)
         out.append(batch)
     return out
 
 
 def _options(name: str) -> dict:
-    return {"use_cache": False} if name == "llama" else {}
+    return {"use_cache": False} if name.startswith("llama") else {}
 
 
 def _train(name: str, world: int | None):
@@ -109,15 +117,28 @@ def _train(name: str, world: int | None):
         opt.step()
         losses.append(loss.item())
     params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
-    return losses, params, paths
+    return losses, params, paths, _mask_functions()
 
 
-@pytest.mark.parametrize("name", ["bert", "llama", "vit"])
+def _mask_functions() -> list:
+    """transformers' mask functions as the checking pass leaves them (it wraps them)."""
+    from transformers import masking_utils as m
+
+    table = m.ALL_MASK_ATTENTION_FUNCTIONS
+    functions = (m.sdpa_mask, m._ignore_causal_mask_sdpa, table["sdpa"], table["eager"])
+    return [(f.__qualname__, hasattr(f, "__wrapped__")) for f in functions]
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "vit", "bert-padded", "llama-padded"])
 def test_transformers_model_trains_on_the_fast_path(pool2, name):
-    ref_losses, ref_params, _ = _train(name, None)
-    for losses, params, paths in pool2.run(_train, name, 2):
+    """With an attention mask too (`-padded`: one rank's rows have no padding, so its
+    local run skips the mask where the other's builds it, each exact for its rows)."""
+    ref_losses, ref_params, _, functions = _train(name, None)
+    for losses, params, paths, after in pool2.run(_train, name, 2):
         assert paths == ["fast", "fast"]
+        assert after == functions  # (the checking pass's wrappers are gone)
         # (transformers computes a causal LM's loss in float32)
-        assert losses == pytest.approx(ref_losses, rel=1e-6 if name == "llama" else 1e-12)
+        rel = 1e-6 if name.startswith("llama") else 1e-12
+        assert losses == pytest.approx(ref_losses, rel=rel)
         for p, q in zip(params, ref_params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)

@@ -50,9 +50,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError
 from sbp.layout import GlobalSpec
-from sbp.nn import outputs, shard_batch_norm
+from sbp.nn import outputs, row_wise_calls, shard_batch_norm
 from sbp.ops import batch_norm, registry
-from sbp.ops.basic import like, same_layout
+from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy
 from sbp.ops.nn import nll_layout
 from sbp.placement import placement as Placement
@@ -107,8 +107,9 @@ class Layout:
 class _Check:
     """Watches every op of the checking pass (see `sbp.ops.registry.observers`)."""
 
-    # (a dtype or device conversion keeps the layout: autocast and `.float()` convert)
-    SAME_LAYOUT = (same_layout, like, to_copy)
+    # (a dtype or device conversion keeps the layout: autocast and `.float()` convert; a new
+    # tensor of the input's shape takes its layout, and one of another shape is a constant)
+    SAME_LAYOUT = (same_layout, like, new_alloc, to_copy)
     # torch picks cuDNN's (MIOpen's) BatchNorm for a tensor on the GPU
     BATCH_NORMS = (
         aten.native_batch_norm.default,
@@ -497,6 +498,14 @@ def _called_by_name(check: _Check, modes: int) -> Callable:
     return call
 
 
+def _batch_size(args: tuple, kwargs: dict, data_nd: tuple) -> int | None:
+    """The logical leading size of the first input laid out as the batch."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, GlobalTensor) and tuple(leaf.sbp) == data_nd and leaf.dim():
+            return leaf.shape[0]
+    return None
+
+
 def _within(context, forward):
     def inside(*args, **kwargs):
         with context:
@@ -848,7 +857,8 @@ class DataParallel:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
             modes = torch._C._len_torch_function_stack() + 1  # (with _FusedDropouts)
             losses = _losses_replaced(_called_by_name(check, modes))
-            with torch.no_grad(), counted, losses, _FusedDropouts(check):
+            row_wise = row_wise_calls.unjudged(check, _batch_size(args, kwargs, data_nd))
+            with torch.no_grad(), counted, losses, row_wise, _FusedDropouts(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
         finally:
