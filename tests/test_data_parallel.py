@@ -915,9 +915,15 @@ class LossInside(torch.nn.Module):
         self.body, self.kind = MLP(), kind
         self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]))
 
-    def forward(self, x, y):
+    def forward(self, x, y, items=None):
         logits = self.body(x)
-        if self.kind == "weight":
+        if self.kind == "items":  # transformers' num_items_in_batch: a sum over a count
+            loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=0) / items
+        elif self.kind == "mixed":  # linear in two losses
+            loss = 0.25 * F.cross_entropy(logits, y) + F.nll_loss(F.log_softmax(logits, 1), y) / 2
+        elif self.kind == "local size":  # a number read from the batch: the local run's differs
+            loss = F.cross_entropy(logits, y, reduction="sum") / x.shape[0]
+        elif self.kind == "weight":
             loss = F.cross_entropy(logits, y, weight=self.class_weight)
         elif self.kind == "nll":
             loss = F.nll_loss(F.log_softmax(logits, 1), y, ignore_index=1)
@@ -951,8 +957,12 @@ def _train_loss_inside(kind, world, fast):
     for x, y in _data(steps=3):
         if P is not None:
             x, y = _global(x, P), _global(y, P)
+        items = None
+        if kind == "items":  # counted over the logical batch, outside, as a Trainer does
+            items = (y != 0).sum()
+            items = items.to_global(sbp=B) if P is not None else items
         with sbp.comm_stats() as st:
-            logits, loss = model(x, y)
+            logits, loss = model(x, y, items)
         kinds = dict(st.by_kind)
         if P is not None:
             paths.append(sbp.nn.fast_path.state(model).last_path)
@@ -965,13 +975,16 @@ def _train_loss_inside(kind, world, fast):
 
 
 @pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated")
-@pytest.mark.parametrize("kind", ["mean", "weight", "nll", "sum", "captured", "legacy", "device"])
+@pytest.mark.parametrize(
+    "kind", ["mean", "weight", "nll", "sum", "captured", "legacy", "device", "items", "mixed"]
+)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_loss_inside_the_forward_runs_on_the_fast_path(pool2, pool4, kind, world):
     """The forward returns a cross-entropy (nll) of its labels: after the check, it runs on
     the local tensors, the mean over the logical batch (ignored labels, class weights, an
     uneven split of 10 rows on 4 ranks) with one small all-reduce for its divisor, and
-    training equals one process."""
+    training equals one process; so do linear functions of losses (a sum over a broadcast
+    count, as transformers' num_items_in_batch, or a weighted sum)."""
     ref_losses, ref_params, _, _ = _train_loss_inside(kind, None, None)
     if world == 1:
         results = [_train_loss_inside(kind, 1, True)]
@@ -981,8 +994,21 @@ def test_a_loss_inside_the_forward_runs_on_the_fast_path(pool2, pool4, kind, wor
         assert paths == ["fast"] * 3
         assert losses == pytest.approx(ref_losses, rel=1e-12)
         assert _rel(params, ref_params) < 1e-12
-        divisor = world > 1 and kind != "sum"
-        assert kinds == ({"all_reduce": 1} if divisor else {}), kinds
+        divisors = 0 if world == 1 or kind in ("sum", "items") else 2 if kind == "mixed" else 1
+        assert kinds == ({"all_reduce": divisors} if divisors else {}), kinds
+
+
+def test_a_loss_scaled_by_the_batch_size_runs_op_by_op(pool2):
+    """`loss / x.shape[0]`: the check reads the logical size, the local run would read its
+    own; the first local run's loss differs, so it is undone and the model runs op by op."""
+    ref_losses, ref_params, _, _ = _train_loss_inside("local size", None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = pool2.run(_train_loss_inside, "local size", 2, True)
+    for losses, params, paths, _ in results:
+        assert paths == ["per-op"] * 3
+        assert losses == pytest.approx(ref_losses, rel=1e-12)
+        assert _rel(params, ref_params) < 1e-12
 
 
 def test_a_loss_inside_the_forward_equals_op_by_op(pool2):

@@ -139,15 +139,22 @@ class _Check:
         if not self.reason:
             self.reason = reason
 
-    def _no_partials(self, func, specs) -> None:
+    def _no_partials(self, func, specs, inputs=()) -> None:
         """A partial sum mixes samples: the local run's part of it may differ from the
         rule's (`h.sum(0) / h.shape[0]` reads the logical size in the check, the local one
-        in the local run). Only the losses the local run computes itself make one."""
-        if any(s is not None and any(x.is_partial for x in s.nd_sbp) for s in specs):
-            self._fail(f"{func} mixes samples (its result is a partial sum)")
+        in the local run). Only the losses the local run computes itself make one. An op
+        may keep one it is given (the rules keep a partial sum only through linear ops:
+        `loss / n`, `a * loss`, `loss_a + loss_b`); a number read from the batch's size
+        there (`loss * x.shape[0]`) is caught when the first local run's outputs differ."""
+        kept = {h for s in inputs for h, x in enumerate(s.nd_sbp) if x.is_partial}
+        for s in specs:
+            if s is not None and any(
+                x.is_partial and h not in kept for h, x in enumerate(s.nd_sbp)
+            ):
+                self._fail(f"{func} mixes samples (its result is a partial sum)")
 
     def direct(self, func, d) -> None:
-        self._no_partials(func, [d.direct])
+        self._no_partials(func, [d.direct], d.in_specs)
 
     def strategy(self, func, rule, args, d) -> None:
         """`args`: the op's global inputs."""
@@ -159,7 +166,7 @@ class _Check:
             rule.local_args, "size_from_output", False
         ):
             self._fail(f"{func} adjusts its local arguments")
-        self._no_partials(func, d.out_specs)
+        self._no_partials(func, d.out_specs, d.in_specs)
 
     def _in_place_or_sliced(self, g: GlobalTensor, need: GlobalSpec) -> bool:
         """Is `g` laid out as the op needs it, or broadcast and needed split on the batch's
