@@ -170,3 +170,34 @@ def test_write_into_a_copy_with_no_way_back_is_refused_on_every_rank(pool2):
         assert name == "SbpSignatureError"
         assert "cannot reach the base" in message
         torch.testing.assert_close(x, _logical((4, 4), 0))
+
+
+def _writes_on_a_2x2_placement(case_name):
+    placement = sbp.placement("cpu", [[0, 1], [2, 3]])
+    h = sbp.tensor(_logical(SHAPE, 0), placement=placement, sbp=(P, S1))
+    x = sbp.tensor(_logical((5, 4), 1), placement=placement, sbp=(S0, B))
+    if case_name == "slice":
+        h[:, 1:5].add_(x)
+    elif case_name == "setitem":
+        h[1:4, 2] = 7.0
+        h[0] = sbp.tensor(_logical((7,), 2), placement=placement, sbp=(B, B))
+    else:
+        h.exp_()
+        h.view(-1).mul_(0.5)
+    return h.full_tensor(), h.sbp
+
+
+@pytest.mark.parametrize("case_name", ["slice", "setitem", "write_back"])
+def test_writes_on_a_2x2_placement_keep_partial_and_split(pool4, case_name):
+    h, x = _logical(SHAPE, 0), _logical((5, 4), 1)
+    if case_name == "slice":
+        h[:, 1:5].add_(x)
+    elif case_name == "setitem":
+        h[1:4, 2] = 7.0
+        h[0] = _logical((7,), 2)
+    else:
+        h.exp_()
+        h.view(-1).mul_(0.5)
+    for got, layout in pool4.run(_writes_on_a_2x2_placement, case_name):
+        torch.testing.assert_close(got, h, rtol=1e-12, atol=1e-12)
+        assert layout == (P, S1)
