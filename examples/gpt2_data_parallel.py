@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         batch = sbp.to_global({k: v.to(device) for k, v in batch.items()}, P, sbp.split(0))
         with sbp.global_mode(P):
             # The model, its loss and attention mask included, runs on each rank's shard
-            # (sbp's data-parallel fast path). It would run op by op, as exact but slower,
-            # with a KV cache to return (use_cache: it would hold the shards' local tensors).
+            # (sbp's data-parallel fast path). Training needs no KV cache: use_cache=False.
             loss = model(**batch, use_cache=False).loss
         loss.backward()
         optimizer.step()

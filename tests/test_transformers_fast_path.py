@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sbp
+
 pytest.importorskip("transformers", reason="needs the `hf` extra")
 
 BATCH, TOKENS, VOCAB = 4, 12, 100
@@ -142,3 +144,55 @@ def test_transformers_model_trains_on_the_fast_path(pool2, name):
         assert losses == pytest.approx(ref_losses, rel=rel)
         for p, q in zip(params, ref_params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+def _forward_with_cache(world: int | None):
+    """Llama's loss and the keys and values of its returned KV cache (use_cache is on by
+    default), for the padded batch."""
+    import sbp.nn
+
+    model = _model("llama")
+    batch = _batches("llama-padded", steps=1)[0]
+    if world is None:
+        out = model(**batch)
+        return (
+            out.loss.item(),
+            [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)],
+            None,
+        )
+    P = sbp.placement("cpu", list(range(world)))
+    model.to_global(P, sbp.broadcast)
+    me = P.coord(sbp.env.get_rank())
+    batch = {
+        k: sbp.to_global(
+            v[sbp.local_slices(v.shape, P, sbp.split(0), me)].contiguous(), P, sbp.split(0)
+        )
+        for k, v in batch.items()
+    }
+    results = []
+    for _ in range(2):  # the checking pass, then the local run
+        with sbp.global_mode(P):
+            out = model(**batch)
+        cache = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        results.append(
+            (
+                out.loss.item(),
+                [t.full_tensor() for t in cache],
+                sbp.nn.fast_path.state(model).last_path,
+                {tuple(t.sbp) for t in cache},
+            )
+        )
+    return results
+
+
+def test_a_returned_kv_cache_holds_global_tensors(pool2):
+    """use_cache on (transformers' default): the fast path opens the returned cache, so its
+    keys and values come back global, laid out as the batch, equal to one process."""
+    want_loss, want_cache, _ = _forward_with_cache(None)
+    for results in pool2.run(_forward_with_cache, 2):
+        for loss, cache, _, layouts in results:
+            assert layouts == {(sbp.split(0),)}
+            assert loss == pytest.approx(want_loss, rel=1e-6)
+            for got, want in zip(cache, want_cache, strict=True):
+                torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-12)
+        assert [path for _, _, path, _ in results] == ["fast", "fast"]

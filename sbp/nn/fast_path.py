@@ -45,12 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError
 from sbp.layout import GlobalSpec
 from sbp.nn import outputs, row_wise_calls, shard_batch_norm
+from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy
@@ -73,7 +74,6 @@ class Layout:
     ok: bool
     reason: str = ""
     out_specs: list = field(default_factory=list)  # GlobalSpec or a plain value, per output leaf
-    out_tree: Any = None
     bn_counts: list[int] = field(default_factory=list)  # logical count of each train-mode BN
     dropouts: int = 0  # random draws of dropout
     losses: int = 0  # cross-entropy (or nll) losses of the batch inside the forward
@@ -767,7 +767,7 @@ class DataParallel:
         out = self._run_local(args, kwargs, layout, data_nd, backend)
         why = ""
         if expected is not None and self._eager(backend):
-            got = [t._local for t in tree_flatten(out)[0] if isinstance(t, GlobalTensor)]
+            got = [t._local for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
             why = _differs("output", got, expected[0])
             if not why and not (self.batch_norm == "local" and len(self.group(data_nd)) > 1):
                 # (per-shard statistics are the first rank's only once broadcast)
@@ -871,7 +871,7 @@ class DataParallel:
         finally:
             registry.observers.remove(check)
             undo()
-        leaves, tree = tree_flatten(out)
+        leaves, _ = output_leaves(out)  # (a transformers KV cache opened)
         specs = []
         for leaf in leaves:
             if isinstance(leaf, GlobalTensor):
@@ -880,10 +880,10 @@ class DataParallel:
                 check._fail("the module returns a local tensor")
             elif isinstance(leaf, _PLAIN_VALUES):
                 specs.append(leaf)
-            else:  # (the local run's would hold local tensors: transformers' KV cache)
+            else:  # (the local run's would hold local tensors)
                 check._fail(
                     f"the module returns a {type(leaf).__name__}, which the local run would "
-                    "fill with local tensors (transformers: use_cache=False)"
+                    "fill with local tensors"
                 )
         if check.reason:
             return Layout(False, check.reason)
@@ -891,7 +891,6 @@ class DataParallel:
             True,
             expected=([leaf._local for leaf in leaves if isinstance(leaf, GlobalTensor)], left),
             out_specs=specs,
-            out_tree=tree,
             bn_counts=check.bn_counts,
             dropouts=check.dropouts,
             losses=check.losses,
@@ -1080,7 +1079,7 @@ class DataParallel:
             offset += t.numel()
 
     def _wrap(self, out, layout: Layout, data_nd: tuple, grad: bool):
-        leaves, tree = tree_flatten(out)
+        leaves, put_back = output_leaves(out)
         if len(leaves) != len(layout.out_specs):
             raise RuntimeError("sbp data-parallel fast path: the module's outputs changed shape")
         wrapped = []
@@ -1099,7 +1098,7 @@ class DataParallel:
             # (only a hookless reducer needs telling; a graph keeps no other alive)
             reducer = None if not grad or self._reducer.hooked else self._reducer
             wrapped.append(outputs.wrap(t, spec, grad_spec, data_nd, reducer, self))
-        return tree_unflatten(wrapped, tree)
+        return put_back(wrapped)
 
 
 # ---------------------------------------------------------------- public switches
