@@ -1782,3 +1782,34 @@ def test_gradients_after_zero_grad_and_a_new_reducer():
     assert sbp.nn.fast_path.state(model).last_path == "fast"
     got = [p.grad.full_tensor() for p in model.parameters()]
     assert _rel(got, [q.grad for q in ref.parameters()]) < 1e-12
+
+
+class ScaledByANumber(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x, scale):
+        return self.body(x) * scale
+
+
+def test_a_number_that_changes_every_call_is_warned_about():
+    """Each new value of a number argument is a new layout, checked op by op again: after
+    a few, one warning says to pass it as a tensor; every call still equals one process."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    plain = ScaledByANumber().double()
+    model = copy.deepcopy(plain).to_global(P, B)
+    x = _data(steps=1)[0][0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        outs = [model(_global(x, P), 1.0 + k / 8).full_tensor() for k in range(6)]
+        again = model(_global(x, P), 1.0).full_tensor()  # (a known value: no new check)
+    messages = [str(w.message) for w in seen if "number argument" in str(w.message)]
+    assert len(messages) == 1 and "ScaledByANumber" in messages[0]
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    for k, out in enumerate(outs):
+        torch.testing.assert_close(out, plain(x, 1.0 + k / 8), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(again, outs[0], rtol=0, atol=0)

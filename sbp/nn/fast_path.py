@@ -63,6 +63,7 @@ from sbp.tensor import GlobalTensor
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
 LAYOUTS = 64  # input layouts remembered per module (LRU)
+NEW_NUMBERS_WARNED = 4  # layouts differing only in a number's value, before a warning
 # output values besides tensors that the local run may return as they are
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
@@ -703,6 +704,7 @@ class DataParallel:
         self._layouts: OrderedDict = OrderedDict()
         self._groups: dict = {}  # data_nd: `group(data_nd)` on this placement
         self._warned: set[str] = set()
+        self._numbers_seen: dict[tuple, int] = {}  # layout keys but for numbers: how many
         self._slots: _Slots | None = None
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
         self._dropouts: list[torch.nn.Module] = []  # the dropout ones
@@ -735,6 +737,7 @@ class DataParallel:
             return self._per_op(args, kwargs, backend)
         layout = self._layouts.get(key)
         if layout is None:
+            self._note_new_numbers(key)
             layout = self._layouts[key] = self._check(args, kwargs, data_nd)
             if len(self._layouts) > LAYOUTS:
                 self._layouts.popitem(last=False)
@@ -754,6 +757,25 @@ class DataParallel:
         if layout.tried:
             return self._run_local(args, kwargs, layout, data_nd, backend)
         return self._first_local_run(args, kwargs, layout, data_nd, backend)
+
+    def _note_new_numbers(self, key: tuple) -> None:
+        """A number argument is part of the layout (the forward may branch on it), so each
+        new value is checked again, op by op: warn once where calls keep bringing new ones
+        (a token count passed as an int every step), as that costs more than it saves."""
+        numbers = tuple(
+            k[0] if type(k) is tuple and len(k) == 2 and k[0] in (int, float) else k for k in key
+        )
+        seen = self._numbers_seen[numbers] = self._numbers_seen.get(numbers, 0) + 1
+        if len(self._numbers_seen) > 4 * LAYOUTS:
+            self._numbers_seen.clear()
+        if seen == NEW_NUMBERS_WARNED and "numbers" not in self._warned:
+            self._warned.add("numbers")
+            warnings.warn(
+                f"sbp: {type(self._module_ref).__name__} is checked again, op by op, for "
+                "each new value of a number argument; pass a value that changes every call "
+                "as a tensor (global, broadcast) so its layout stays the same",
+                stacklevel=4,
+            )
 
     def _first_local_run(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
         """A layout's first local run, compared with the checking pass (its outputs, this
