@@ -1813,3 +1813,36 @@ def test_a_number_that_changes_every_call_is_warned_about():
     for k, out in enumerate(outs):
         torch.testing.assert_close(out, plain(x, 1.0 + k / 8), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(again, outs[0], rtol=0, atol=0)
+
+
+def _accumulate_op_by_op():
+    """Three backward passes onto the same `.grad`s op by op: the collectives of each."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = MLP().double().to_global(P, B)
+    sbp.nn.data_parallel(model, fast=False)
+    calls = []
+    for x, y in _data(steps=3):
+        with sbp.comm_stats() as st:
+            _loss(model, x, y, P).backward()
+        calls.append(dict(st.by_kind))
+    grads = [(p.grad.full_tensor(), tuple(p.grad.sbp)) for p in model.parameters()]
+    return calls, grads
+
+
+def test_gradient_accumulation_op_by_op_stays_bucketed(pool2):
+    """An in-place op keeps its tensor's layout, so accumulating a partial gradient into the
+    broadcast `.grad` of an earlier backward would reduce each gradient on its own; the old
+    gradient is relabelled partial first, so every backward ends in one flat all-reduce,
+    and the sums equal one process."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    for x, y in _data(steps=3):
+        F.cross_entropy(model(x), y).backward()
+    for calls, grads in pool2.run(_accumulate_op_by_op):
+        assert [c.get("all_reduce") for c in calls] == [1, 1, 1], calls
+        for (got, layout), p in zip(grads, model.parameters(), strict=True):
+            assert layout == (B,)
+            torch.testing.assert_close(got, p.grad, rtol=1e-12, atol=1e-12)
