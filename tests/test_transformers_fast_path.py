@@ -18,7 +18,8 @@ BATCH, TOKENS, VOCAB = 4, 12, 100
 def _model(name: str):
     import transformers as T
 
-    name = name.removesuffix("-padded")
+    dropout = 0.1 if name.endswith("-dropout") else 0.0
+    name = name.removesuffix("-padded").removesuffix("-dropout")
     torch.manual_seed(0)
     if name == "bert":
         config = T.BertConfig(
@@ -42,6 +43,7 @@ def _model(name: str):
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=32,
+            attention_dropout=dropout,
         )
         return T.LlamaForCausalLM(config).double()
     config = T.ViTConfig(
@@ -88,7 +90,7 @@ def _options(name: str) -> dict:
     return {"use_cache": False} if name.startswith("llama") else {}
 
 
-def _train(name: str, world: int | None):
+def _train(name: str, world: int | None, fast: bool = True):
     """Losses and parameters after SGD steps; where `world` is given, on global tensors."""
     import sbp.nn
 
@@ -96,6 +98,8 @@ def _train(name: str, world: int | None):
     P = None if world is None else sbp.placement("cpu", list(range(world)))
     if P is not None:
         model.to_global(P, sbp.broadcast)
+        sbp.nn.data_parallel(model, fast=fast)
+        sbp.manual_seed(0)  # (the dropout masks: the same draws for both paths)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, paths = [], []
     for batch in _batches(name):
@@ -196,3 +200,20 @@ def test_a_returned_kv_cache_holds_global_tensors(pool2):
             for got, want in zip(cache, want_cache, strict=True):
                 torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-12)
         assert [path for _, _, path, _ in results] == ["fast", "fast"]
+
+
+def test_attention_dropout_on_the_cpu_runs_on_the_fast_path(pool2):
+    """Attention with dropout (Llama's attention_dropout): on the CPU torch draws its mask by
+    a `bernoulli_` the check sees, and the local run seeds the draw as the op-by-op rule
+    does, so training runs fast and equals the op-by-op path to rounding."""
+    fast = pool2.run(_train, "llama-dropout", 2, True)
+    per_op = pool2.run(_train, "llama-dropout", 2, False)
+    for (losses, params, paths, _), (want_losses, want_params, want_paths, _) in zip(
+        fast, per_op, strict=True
+    ):
+        assert paths == ["fast", "fast"] and want_paths == ["per-op", "per-op"]
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for p, q in zip(params, want_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    ref_losses, _, _, _ = _train("llama", None)  # (no dropout: the masks made a difference)
+    assert fast[0][0] != pytest.approx(ref_losses, rel=1e-6)

@@ -253,8 +253,9 @@ class _Check:
 
 class _FusedDropouts(TorchFunctionMode):
     """In the checking pass: attention with dropout (`F.scaled_dot_product_attention`'s
-    `dropout_p`) draws its masks inside torch's kernel, where the local run cannot draw the
-    op-by-op path's masks (`_Run.dropout`), so the module runs op by op."""
+    `dropout_p`) off the CPU draws its masks inside torch's fused kernel, where the local
+    run cannot draw the op-by-op path's masks, so the module runs op by op. On the CPU torch
+    computes it as a composite whose `bernoulli_` the check sees (`_Run.attention`)."""
 
     def __init__(self, check: _Check):
         super().__init__()
@@ -264,7 +265,7 @@ class _FusedDropouts(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            if p:
+            if p and args[0].device.type != "cpu":
                 self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
         return func(*args, **kwargs)
 
@@ -296,6 +297,8 @@ class _LocalOps(TorchFunctionMode):
             return self.run.batch_norm(*args, **kwargs)
         if func is F.dropout:
             return self.run.dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self.run.attention(*args, **kwargs)
         if func is F.cross_entropy or func is F.nll_loss:
             return self.run.loss(func, *args, **kwargs)
         return func(*args, **kwargs)
@@ -353,11 +356,8 @@ class _Run:
             return F.dropout(input, p, training, inplace)
         if p == 1:
             return input.mul_(0) if inplace else torch.zeros_like(input)
-        P = self.fast.placement
-        coord = P.coord(env.get_rank())
-        coords = tuple(c if s.is_split else 0 for c, s in zip(coord, self.data_nd, strict=True))
         gen = torch.Generator(device=input.device)
-        gen.manual_seed(random.draw_seed(coords))
+        gen.manual_seed(random.draw_seed(self._split_coords()))
         self.dropouts += 1
         if input.device.type == "cpu":  # what aten.dropout runs on CPU (bernoulli_ rule)
             noise = torch.empty_like(input).bernoulli_(1 - p, generator=gen).div_(1 - p)
@@ -366,6 +366,29 @@ class _Run:
         if inplace:  # the fused kernel elsewhere (native_dropout rule)
             return input.mul_(mask).mul_(1.0 / (1 - p))
         return input * mask * (1.0 / (1 - p))
+
+    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        """`F.scaled_dot_product_attention`. With dropout on the CPU, torch runs it as a
+        composite drawing its mask by `bernoulli_` from the default generator, as the
+        op-by-op path's `bernoulli_` rule draws it from a generator seeded by sbp's stream:
+        the default generator is seeded alike for the call (and put back after)."""
+        if not dropout_p or query.device.type != "cpu":  # (elsewhere the check refused it)
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, *args, **kwargs
+            )
+        self.dropouts += 1
+        seed = random.draw_seed(self._split_coords())
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, *args, **kwargs
+            )
+
+    def _split_coords(self) -> tuple:
+        """This rank's coordinates on the batch's split hierarchy dims (0 on the others): the
+        key of the masks sbp draws for a tensor laid out as the batch."""
+        coord = self.fast.placement.coord(env.get_rank())
+        return tuple(c if s.is_split else 0 for c, s in zip(coord, self.data_nd, strict=True))
 
     def loss(
         self,
