@@ -34,6 +34,19 @@ def _model(name: str):
             num_labels=3,
         )
         return T.BertForSequenceClassification(config).double()
+    if name == "gpt2":  # (a pad_token_id and no attention mask: transformers looks for pads)
+        config = T.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            pad_token_id=0,
+        )
+        return T.GPT2LMHeadModel(config).double()
     if name == "llama":
         config = T.LlamaConfig(
             vocab_size=VOCAB,
@@ -71,7 +84,7 @@ def _batches(name: str, steps: int = 2) -> list[dict]:
             out.append({"pixel_values": pixels, "labels": labels})
             continue
         ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=g)
-        causal = name.startswith("llama")
+        causal = name.startswith(("llama", "gpt2"))
         batch = {"input_ids": ids, "labels": ids if causal else labels}
         if name.startswith("bert"):  # (as its tokenizer gives them: BERT's own default is a
             # buffer expanded to the batch and embedded, rows equal by value only: op by op)
@@ -87,7 +100,7 @@ def _batches(name: str, steps: int = 2) -> list[dict]:
 
 
 def _options(name: str) -> dict:
-    return {"use_cache": False} if name.startswith("llama") else {}
+    return {"use_cache": False} if name.startswith(("llama", "gpt2")) else {}
 
 
 def _train(name: str, world: int | None, fast: bool = True):
@@ -135,7 +148,7 @@ def _mask_functions() -> list:
     return [(f.__qualname__, hasattr(f, "__wrapped__")) for f in functions]
 
 
-@pytest.mark.parametrize("name", ["bert", "llama", "vit", "bert-padded", "llama-padded"])
+@pytest.mark.parametrize("name", ["bert", "llama", "vit", "gpt2", "bert-padded", "llama-padded"])
 def test_transformers_model_trains_on_the_fast_path(pool2, name):
     """With an attention mask too (`-padded`: one rank's rows have no padding, so its
     local run skips the mask where the other's builds it, each exact for its rows)."""
@@ -144,7 +157,7 @@ def test_transformers_model_trains_on_the_fast_path(pool2, name):
         assert paths == ["fast", "fast"]
         assert after == functions  # (the checking pass's wrappers are gone)
         # (transformers computes a causal LM's loss in float32)
-        rel = 1e-6 if name.startswith("llama") else 1e-12
+        rel = 1e-6 if name.startswith(("llama", "gpt2")) else 1e-12
         assert losses == pytest.approx(ref_losses, rel=rel)
         for p, q in zip(params, ref_params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)

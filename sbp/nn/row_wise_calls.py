@@ -28,7 +28,9 @@ from sbp.tensor import GlobalTensor
 # is_causal or flash attention). Run on a shard they give its rows exactly, so the checking
 # pass does not judge the ops inside them (an index by `arange(batch_size)`, a sum over the
 # batch, `.all()`), and the broadcast tensors they return with the batch's leading size are
-# taken as laid out as the batch; the local run calls them on its shard. (module, qualname)
+# taken as laid out as the batch; the local run calls them on its shard. A check that only
+# warns (transformers looks for pad tokens when no attention mask is given) is one too: it
+# returns nothing. (module, qualname)
 ROW_WISE = (
     ("transformers.masking_utils", "sdpa_mask"),
     ("transformers.masking_utils", "eager_mask"),
@@ -36,6 +38,7 @@ ROW_WISE = (
     ("transformers.masking_utils", "_ignore_causal_mask_sdpa"),
     ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa"),
     ("transformers.modeling_attn_mask_utils", "AttentionMaskConverter._ignore_causal_mask_sdpa"),
+    ("transformers.modeling_utils", "PreTrainedModel.warn_if_padding_and_no_attention_mask"),
 )
 # where transformers looks its mask functions up by the attention's name
 _MASK_REGISTRY = ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS")
