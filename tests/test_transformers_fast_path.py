@@ -15,14 +15,12 @@ pytest.importorskip("transformers", reason="needs the `hf` extra")
 BATCH, TOKENS, VOCAB = 4, 12, 100
 
 
-def _model(name: str):
-    import transformers as T
-
-    dropout = 0.1 if name.endswith("-dropout") else 0.0
-    name = name.removesuffix("-padded").removesuffix("-dropout")
-    torch.manual_seed(0)
-    if name == "bert":
-        config = T.BertConfig(
+# name: (config class, model class, the config's arguments): small, randomly initialised
+MODELS = {
+    "bert": (
+        "BertConfig",
+        "BertForSequenceClassification",
+        dict(
             vocab_size=VOCAB,
             hidden_size=32,
             num_hidden_layers=2,
@@ -32,46 +30,41 @@ def _model(name: str):
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
             num_labels=3,
-        )
-        return T.BertForSequenceClassification(config).double()
-    if name == "gpt2":  # (a pad_token_id and no attention mask: transformers looks for pads)
-        config = T.GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=32,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            pad_token_id=0,
-        )
-        return T.GPT2LMHeadModel(config).double()
-    if name == "llama":
-        config = T.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            attention_dropout=dropout,
-        )
-        return T.LlamaForCausalLM(config).double()
-    config = T.ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return T.ViTForImageClassification(config).double()
+        ),
+    ),
+    # (a pad_token_id and no attention mask: transformers looks for pads)
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, pad_token_id=0)
+        | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+        | dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
+    ),
+    "vit": (
+        "ViTConfig",
+        "ViTForImageClassification",
+        dict(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2)
+        | dict(num_attention_heads=2, intermediate_size=64, num_labels=3)
+        | dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    ),
+}
+
+
+def _model(name: str):
+    """`-dropout`: Llama's attention dropout on; `-padded` changes the batches only."""
+    import transformers as T
+
+    base = name.removesuffix("-padded").removesuffix("-dropout")
+    config_class, model_class, options = MODELS[base]
+    if name.endswith("-dropout"):
+        options = options | {"attention_dropout": 0.1}
+    torch.manual_seed(0)
+    return getattr(T, model_class)(getattr(T, config_class)(**options)).double()
 
 
 def _batches(name: str, steps: int = 2) -> list[dict]:
