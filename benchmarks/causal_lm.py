@@ -10,8 +10,9 @@ randomly initialised GPT-2, timed side by side for
   sbp-fast     global model and batch under `sbp.global_mode`: the fast path
   sbp-op-by-op the same with the fast path off (`sbp.nn.data_parallel(model, fast=False)`)
 Worlds of 1 and 2. `--padded` passes an attention mask, with padding in every other
-sequence (whose labels are -100), as a tokenizer padding a batch gives it. Needs the `hf`
-extra (transformers).
+sequence (whose labels are -100), as a tokenizer padding a batch gives it; `--dropout 0.1`
+sets GPT-2's three dropouts (attention's included) to its default. Needs the `hf` extra
+(transformers).
 
 Run `python benchmarks/causal_lm.py` (about a minute).
 """
@@ -43,9 +44,9 @@ def _model(cfg: dict):
         n_embd=cfg["width"],
         n_layer=cfg["layers"],
         n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=cfg["dropout"],
+        embd_pdrop=cfg["dropout"],
+        attn_pdrop=cfg["dropout"],
     )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
@@ -152,15 +153,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--padded", action="store_true", help="with an attention mask")
+    ap.add_argument("--dropout", type=float, default=0.0, help="GPT-2's three (default 0.1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    keys = ("batch", "seq", "width", "layers", "vocab", "warmup", "rounds", "padded")
+    keys = ("batch", "seq", "width", "layers", "vocab", "warmup", "rounds", "padded", "dropout")
     cfg = {k: getattr(args, k) for k in keys}
     rows = [row for world in args.worlds for row in common.gather_rows(_worker, world, cfg)]
     common.print_report(_report(rows), {})
     payload = {"machine": common.machine_info(), "config": cfg, "rows": rows}
     out = None if args.out is None else Path(args.out)
-    path = common.write_results("causal-lm-padded" if args.padded else "causal-lm", payload, out)
+    name = "causal-lm" + ("-padded" if args.padded else "") + ("-dropout" if args.dropout else "")
+    path = common.write_results(name, payload, out)
     print(f"wrote {path[0]}")
 
 
