@@ -51,6 +51,7 @@ from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError
 from sbp.layout import GlobalSpec
 from sbp.nn import outputs, row_wise_calls, shard_batch_norm
+from sbp.nn.names_replaced import NamesReplaced
 from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, new_alloc, same_layout
@@ -477,29 +478,24 @@ def _losses_replaced(handler: Callable) -> Iterator[None]:
     The names stay replaced while any thread's call is on; each thread's calls go to its
     innermost handler, or to torch's function where it has none."""
     handlers = _LOSS_HANDLERS.__dict__.setdefault("stack", [])
-    with _LOSS_NAMES_LOCK:
-        if not _LOSS_NAMES["users"]:
-            _LOSS_NAMES["saved"] = {name: getattr(F, name) for name in _LOSS_FUNCTIONS}
-            for name, f in _LOSS_NAMES["saved"].items():
-                setattr(F, name, _routed(f))
-        _LOSS_NAMES["users"] += 1
-    handlers.append(handler)
-    try:
-        yield
-    finally:
-        handlers.pop()
-        with _LOSS_NAMES_LOCK:
-            _LOSS_NAMES["users"] -= 1
-            if not _LOSS_NAMES["users"]:
-                for name, f in _LOSS_NAMES["saved"].items():
-                    setattr(F, name, f)
+    with _LOSS_NAMES.held():
+        handlers.append(handler)
+        try:
+            yield
+        finally:
+            handlers.pop()
+
+
+def _route_losses() -> list:
+    saved = [(F, name, getattr(F, name)) for name in _LOSS_FUNCTIONS]
+    for _, name, f in saved:
+        setattr(F, name, _routed(f))
+    return saved
 
 
 _LOSS_FUNCTIONS = ("cross_entropy", "nll_loss")
 _LOSS_HANDLERS = threading.local()  # .stack: this thread's handlers, innermost last
-_LOSS_NAMES_LOCK = threading.Lock()
-# users: calls (all threads) inside `_losses_replaced`; saved: the names' functions before
-_LOSS_NAMES: dict = {"users": 0, "saved": {}}
+_LOSS_NAMES = NamesReplaced(_route_losses)
 
 
 def _routed(original: Callable) -> Callable:

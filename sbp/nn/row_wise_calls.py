@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from sbp.nn.names_replaced import NamesReplaced
 from sbp.ops import registry
 from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor
@@ -45,8 +46,6 @@ _MASK_REGISTRY = ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS")
 
 
 _THIS_THREAD = threading.local()  # this thread's (check, logical batch size) while it checks
-_INSTALLED = {"users": 0, "saved": []}  # (owner, name or key, original)
-_LOCK = threading.Lock()
 
 
 def _as_checked(f: Callable) -> Callable:
@@ -73,10 +72,10 @@ def _as_checked(f: Callable) -> Callable:
     return call
 
 
-def _install() -> None:
+def _install() -> list:
     """Replace the ROW_WISE functions of the libraries already imported by `_as_checked`,
     in their modules and in transformers' table of mask functions."""
-    saved, wrapped = _INSTALLED["saved"], {}
+    saved, wrapped = [], {}
     for module_name, qualname in ROW_WISE:
         owner = sys.modules.get(module_name)
         *path, name = qualname.split(".")
@@ -95,15 +94,10 @@ def _install() -> None:
         if f in wrapped:
             table[key] = wrapped[f]
             saved.append((table, key, f))
+    return saved
 
 
-def _uninstall() -> None:
-    for owner, name, raw in reversed(_INSTALLED["saved"]):
-        if isinstance(owner, dict):
-            owner[name] = raw
-        else:
-            setattr(owner, name, raw)
-    _INSTALLED["saved"] = []
+_REPLACED = NamesReplaced(_install)
 
 
 @contextlib.contextmanager
@@ -113,15 +107,8 @@ def unjudged(check, batch: int | None) -> Iterator[None]:
     replaced while any thread checks."""
     outer = getattr(_THIS_THREAD, "check", None)
     _THIS_THREAD.check = (check, batch)
-    with _LOCK:
-        if _INSTALLED["users"] == 0:
-            _install()
-        _INSTALLED["users"] += 1
     try:
-        yield
+        with _REPLACED.held():
+            yield
     finally:
         _THIS_THREAD.check = outer
-        with _LOCK:
-            _INSTALLED["users"] -= 1
-            if _INSTALLED["users"] == 0:
-                _uninstall()
