@@ -56,7 +56,7 @@ from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy
-from sbp.ops.nn import nll_layout
+from sbp.ops.nn import nll_layout, shard_seed
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
 from sbp.tensor import GlobalTensor
@@ -358,7 +358,7 @@ class _Run:
         if p == 1:
             return input.mul_(0) if inplace else torch.zeros_like(input)
         gen = torch.Generator(device=input.device)
-        gen.manual_seed(random.draw_seed(self._split_coords()))
+        gen.manual_seed(shard_seed(self.fast.placement, self.data_nd))
         self.dropouts += 1
         if input.device.type == "cpu":  # what aten.dropout runs on CPU (bernoulli_ rule)
             noise = torch.empty_like(input).bernoulli_(1 - p, generator=gen).div_(1 - p)
@@ -378,18 +378,12 @@ class _Run:
                 query, key, value, attn_mask, dropout_p, *args, **kwargs
             )
         self.dropouts += 1
-        seed = random.draw_seed(self._split_coords())
+        seed = shard_seed(self.fast.placement, self.data_nd)
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             return F.scaled_dot_product_attention(
                 query, key, value, attn_mask, dropout_p, *args, **kwargs
             )
-
-    def _split_coords(self) -> tuple:
-        """This rank's coordinates on the batch's split hierarchy dims (0 on the others): the
-        key of the masks sbp draws for a tensor laid out as the batch."""
-        coord = self.fast.placement.coord(env.get_rank())
-        return tuple(c if s.is_split else 0 for c, s in zip(coord, self.data_nd, strict=True))
 
     def loss(
         self,

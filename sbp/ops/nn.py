@@ -344,15 +344,20 @@ def embedding_backward(call: Call) -> list[Strategy]:
 # ---------------------------------------------------------------- dropout and random ops
 
 
-def _split_coords(spec: GlobalSpec) -> tuple:
-    """This rank's coordinates on split hierarchy dims (0 elsewhere): equal wherever the data is."""
-    coord = spec.placement.coord(env.get_rank())
-    return tuple(c if s.is_split else 0 for c, s in zip(coord, spec.nd_sbp, strict=True))
+def shard_seed(placement, nd_sbp: tuple) -> int:
+    """The seed of this rank's random draws for a tensor laid out as `nd_sbp`, taken from
+    sbp's stream (every rank takes one): keyed by its coordinates on the split hierarchy dims
+    (0 elsewhere), so ranks holding the same data draw the same values. The data-parallel
+    fast path's local run draws its dropout masks from it too."""
+    if env.get_rank() not in placement:
+        return draw_seed(None)
+    coord = placement.coord(env.get_rank())
+    return draw_seed(tuple(c if s.is_split else 0 for c, s in zip(coord, nd_sbp, strict=True)))
 
 
 def _generator(spec: GlobalSpec, device) -> torch.Generator:
     gen = torch.Generator(device=device)
-    gen.manual_seed(draw_seed(_split_coords(spec) if env.get_rank() in spec.placement else None))
+    gen.manual_seed(shard_seed(spec.placement, spec.nd_sbp))
     return gen
 
 

@@ -26,8 +26,7 @@ from sbp.boxing import plan_specs
 from sbp.comm import stats
 from sbp.errors import PlacementError
 from sbp.layout import GlobalSpec
-from sbp.ops.writes import assign, is_view, mark_view, written
-from sbp.ops.writes import is_written as is_inplace
+from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
 from sbp.signature import SBP, broadcast, partials_to_broadcast, split
 
 _rules: dict[Any, Callable] = {}
@@ -384,6 +383,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         # OpOverload.__call__) and wrap; ~6 us less per op than the general path.
         GT = _global_type()
         local = [a._local if type(a) is GT else a for a in flat]
+        copied = False
         if tree is _PLAIN:
             out = func._op(*local)
         else:
@@ -391,16 +391,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             if d.direct_size is not None:  # views: the local size, fixed by the output spec
                 largs = (largs[0], d.direct_size, *largs[2:])
                 out, copied = local_view(func, largs, lkwargs)
-                out = GT(out, d.direct)
-                if copied or flat[0]._copy_of is not None:
-                    mark_view(func, *unflatten(flat, tree), [out], False, copied)
-                return out
-            out = func._op(*largs, **lkwargs)
+            else:
+                out = func._op(*largs, **lkwargs)
         if d.direct_inplace:
             return written(flat[0])
         out = GT(out, d.direct)
-        if d.view and flat[0]._copy_of is not None:  # a view of a copy: writes go on up
-            mark_view(func, *unflatten(flat, tree), [out], False, False)
+        if copied or (d.view and flat[0]._copy_of is not None):  # writes go on to the base
+            mark_view(func, *unflatten(flat, tree), [out], False, copied)
         return out
     rule = _resolve(func)
     if type(rule) is StrategyRule:

@@ -44,17 +44,17 @@ _RESHAPES = {
 }
 
 
-_written: dict = {}
+_inplace: dict = {}
 _views: dict = {}
 
 
-def is_written(func) -> bool:
+def is_inplace(func) -> bool:
     """Does `func` write into its first argument and return it (`add_`, `copy_`, ...)?"""
-    found = _written.get(func)
+    found = _inplace.get(func)
     if found is None:
         args = func._schema.arguments
         alias = args[0].alias_info if args else None
-        found = _written[func] = bool(
+        found = _inplace[func] = bool(
             alias is not None and alias.is_write and not args[0].kwarg_only
         )
     return found
@@ -66,7 +66,7 @@ def is_view(func) -> bool:
     if found is None:
         returns = func._schema.returns
         found = _views[func] = (
-            bool(returns) and returns[0].alias_info is not None and not is_written(func)
+            bool(returns) and returns[0].alias_info is not None and not is_inplace(func)
         )
     return found
 
@@ -162,7 +162,7 @@ def assign(g, local: torch.Tensor, spec) -> None:
 # ---------------------------------------------------------------- logical slices
 
 
-def local_part(item: Any, size: int, lo: int, hi: int) -> tuple[Any, Any] | None:
+def _local_part(item: Any, size: int, lo: int, hi: int) -> tuple[Any, Any] | None:
     """(local index, index into the value) of the logical `item` on a shard [lo, hi), or None."""
     if isinstance(item, int):
         i = item + size if item < 0 else item
@@ -203,7 +203,7 @@ def _write_local_part(g, items: list, value: Any) -> None:
     value = torch.as_tensor(value, dtype=g.dtype, device=g._local.device).expand(sizes)
     local_index, value_index = [], []
     for item, size, (lo, hi) in zip(items, g.shape, g._spec.ranges(env.get_rank()), strict=True):
-        part = local_part(item, size, lo, hi)
+        part = _local_part(item, size, lo, hi)
         if part is None:
             return  # nothing of the slice lives on this rank
         local_index.append(part[0])
