@@ -1087,14 +1087,14 @@ def test_loss_names_are_torch_s_again_after_overlapping_calls_in_two_threads():
 
     def thread_b():
         a_in.wait(10)
-        with fast_path._losses_replaced(handler("B")):
+        with fast_path._by_name_replaced(handler("B")):
             b_in.set()
             a_out.wait(10)
             seen["B value"] = F.cross_entropy(logits, labels).item()
 
     t = threading.Thread(target=thread_b)
     t.start()
-    with fast_path._losses_replaced(handler("A")):
+    with fast_path._by_name_replaced(handler("A")):
         a_in.set()
         b_in.wait(10)
         seen["A value"] = F.cross_entropy(logits, labels).item()

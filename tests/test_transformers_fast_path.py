@@ -129,7 +129,16 @@ def _train(name: str, world: int | None, fast: bool = True):
         opt.step()
         losses.append(loss.item())
     params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
-    return losses, params, paths, _mask_functions()
+    return losses, params, paths, _mask_functions(), _intercepted_by_name(model, P)
+
+
+def _intercepted_by_name(model, P) -> list[bool]:
+    """Per layout checked, did the local run intercept BatchNorm, dropout and losses where
+    they are called (modules, names on torch.nn.functional) rather than by a mode over the
+    whole forward (`Layout.in_modules`)?"""
+    if P is None:
+        return []
+    return [layout.in_modules for layout in sbp.nn.fast_path.state(model)._layouts.values()]
 
 
 def _mask_functions() -> list:
@@ -145,8 +154,8 @@ def _mask_functions() -> list:
 def test_transformers_model_trains_on_the_fast_path(pool2, name):
     """With an attention mask too (`-padded`: one rank's rows have no padding, so its
     local run skips the mask where the other's builds it, each exact for its rows)."""
-    ref_losses, ref_params, _, functions = _train(name, None)
-    for losses, params, paths, after in pool2.run(_train, name, 2):
+    ref_losses, ref_params, _, functions, _ = _train(name, None)
+    for losses, params, paths, after, _ in pool2.run(_train, name, 2):
         assert paths == ["fast", "fast"]
         assert after == functions  # (the checking pass's wrappers are gone)
         # (transformers computes a causal LM's loss in float32)
@@ -214,12 +223,13 @@ def test_attention_dropout_on_the_cpu_runs_on_the_fast_path(pool2):
     does, so training runs fast and equals the op-by-op path to rounding."""
     fast = pool2.run(_train, "llama-dropout", 2, True)
     per_op = pool2.run(_train, "llama-dropout", 2, False)
-    for (losses, params, paths, _), (want_losses, want_params, want_paths, _) in zip(
+    for (losses, params, paths, _, by_name), (want_losses, want_params, want_paths, *_) in zip(
         fast, per_op, strict=True
     ):
         assert paths == ["fast", "fast"] and want_paths == ["per-op", "per-op"]
+        assert by_name == [True]  # (the attention's dropout caught by name: no mode)
         assert losses == pytest.approx(want_losses, rel=1e-12)
         for p, q in zip(params, want_params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
-    ref_losses, _, _, _ = _train("llama", None)  # (no dropout: the masks made a difference)
+    ref_losses, *_ = _train("llama", None)  # (no dropout: the masks made a difference)
     assert fast[0][0] != pytest.approx(ref_losses, rel=1e-6)

@@ -79,10 +79,10 @@ class Layout:
     bn_counts: list[int] = field(default_factory=list)  # logical count of each train-mode BN
     dropouts: int = 0  # random draws of dropout
     losses: int = 0  # cross-entropy (or nll) losses of the batch inside the forward
-    # Every BatchNorm and dropout call came from a BatchNorm or Dropout module, and every
-    # loss through `torch.nn.functional`'s attributes: the local run then intercepts them
-    # there only (a mode over the whole forward costs ~5% of a mobilenet_v2 forward, ~20%
-    # of a small GPT-2's)
+    # Every BatchNorm and dropout call came from a BatchNorm or Dropout module, or from an
+    # attention called through `torch.nn.functional`'s attribute, and every loss through
+    # those attributes: the local run then intercepts them there only (a mode over the
+    # whole forward costs ~5% of a mobilenet_v2 forward, ~20% of a small GPT-2's)
     in_modules: bool = True
     # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
@@ -134,7 +134,8 @@ class _Check:
         self.bn_counts: list[int] = []
         self.dropouts = self.losses = 0
         self.depth = 0  # inside a BatchNorm or Dropout module's forward
-        self.loss_depth = 0  # inside F.cross_entropy or F.nll_loss
+        self.loss_depth = 0  # inside F.cross_entropy or F.nll_loss called by name
+        self.attention_depth = 0  # inside F.scaled_dot_product_attention called by name
         self.outside_modules = False
 
     def _fail(self, reason: str) -> None:
@@ -209,7 +210,7 @@ class _Check:
             self._fail(f"{func} has its own global semantics")
             return
         x = args[0]
-        if self.depth == 0:
+        if self.depth == 0 and not (func in self.DROPOUT and self.attention_depth):
             self.outside_modules = True
         if tuple(x.sbp) != self.data_nd:
             self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch")
@@ -264,7 +265,7 @@ class _FusedDropouts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if _is(func, _ATTENTION):
             p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             if p and args[0].device.type != "cpu":
                 self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
@@ -273,7 +274,7 @@ class _FusedDropouts(TorchFunctionMode):
 
 class _Depth:
     """Counts the checking pass's depth inside BatchNorm and dropout modules (`depth`), or
-    inside the loss functions (`loss_depth`)."""
+    inside the functions the local run replaces by name (`loss_depth`, `attention_depth`)."""
 
     def __init__(self, check: _Check, counter: str = "depth"):
         self.check, self.counter = check, counter
@@ -298,9 +299,9 @@ class _LocalOps(TorchFunctionMode):
             return self.run.batch_norm(*args, **kwargs)
         if func is F.dropout:
             return self.run.dropout(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
+        if _is(func, _ATTENTION):
             return self.run.attention(*args, **kwargs)
-        if func is F.cross_entropy or func is F.nll_loss:
+        if _is(func, _LOSSES[0]) or _is(func, _LOSSES[1]):
             return self.run.loss(func, *args, **kwargs)
         return func(*args, **kwargs)
 
@@ -374,16 +375,18 @@ class _Run:
         op-by-op path's `bernoulli_` rule draws it from a generator seeded by sbp's stream:
         the default generator is seeded alike for the call (and put back after)."""
         if not dropout_p or query.device.type != "cpu":  # (elsewhere the check refused it)
-            return F.scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, *args, **kwargs
-            )
+            return _ATTENTION(query, key, value, attn_mask, dropout_p, *args, **kwargs)
         self.dropouts += 1
         seed = shard_seed(self.fast.placement, self.data_nd)
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
-            return F.scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, *args, **kwargs
-            )
+            return _ATTENTION(query, key, value, attn_mask, dropout_p, *args, **kwargs)
+
+    def by_name(self, fn, *args, **kwargs):
+        """A call of a function the local run replaces by name (`_by_name_replaced`)."""
+        if fn is _ATTENTION:
+            return self.attention(*args, **kwargs)
+        return self.loss(fn, *args, **kwargs)
 
     def loss(
         self,
@@ -465,14 +468,15 @@ def _forwards_replaced(modules: list[torch.nn.Module], replacement) -> Iterator[
 
 
 @contextlib.contextmanager
-def _losses_replaced(handler: Callable) -> Iterator[None]:
-    """For the call, in this thread, `torch.nn.functional.cross_entropy(...)` and
-    `nll_loss(...)` are `handler(the function, ...)`: a model's loss (transformers'
-    `nn.functional.cross_entropy`, `nn.CrossEntropyLoss`) looks them up as it is called.
-    The names stay replaced while any thread's call is on; each thread's calls go to its
-    innermost handler, or to torch's function where it has none."""
-    handlers = _LOSS_HANDLERS.__dict__.setdefault("stack", [])
-    with _LOSS_NAMES.held():
+def _by_name_replaced(handler: Callable) -> Iterator[None]:
+    """For the call, in this thread, `torch.nn.functional.cross_entropy(...)`,
+    `nll_loss(...)` and `scaled_dot_product_attention(...)` are `handler(the function,
+    ...)`: a model's loss (transformers' `nn.functional.cross_entropy`,
+    `nn.CrossEntropyLoss`) and attention (transformers' `sdpa_attention_forward`) look them
+    up as they are called. The names stay replaced while any thread's call is on; each
+    thread's calls go to its innermost handler, or to torch's function where it has none."""
+    handlers = _HANDLERS.__dict__.setdefault("stack", [])
+    with _NAMES.held():
         handlers.append(handler)
         try:
             yield
@@ -480,22 +484,31 @@ def _losses_replaced(handler: Callable) -> Iterator[None]:
             handlers.pop()
 
 
-def _route_losses() -> list:
-    saved = [(F, name, getattr(F, name)) for name in _LOSS_FUNCTIONS]
+def _route_names() -> list:
+    saved = [(F, f.__name__, getattr(F, f.__name__)) for f in _BY_NAME]
     for _, name, f in saved:
         setattr(F, name, _routed(f))
     return saved
 
 
-_LOSS_FUNCTIONS = ("cross_entropy", "nll_loss")
-_LOSS_HANDLERS = threading.local()  # .stack: this thread's handlers, innermost last
-_LOSS_NAMES = NamesReplaced(_route_losses)
+# torch's functions, taken before any replacement (a mode is handed the replacement where a
+# Python function of torch.nn.functional passes itself by its module's name)
+_LOSSES = (F.cross_entropy, F.nll_loss)
+_ATTENTION = F.scaled_dot_product_attention
+_BY_NAME = (*_LOSSES, _ATTENTION)
+_HANDLERS = threading.local()  # .stack: this thread's handlers, innermost last
+_NAMES = NamesReplaced(_route_names)
+
+
+def _is(func: Any, original: Callable) -> bool:
+    """Is `func` torch's `original`, or the name's replacement routing to it?"""
+    return func is original or getattr(func, "__wrapped__", None) is original
 
 
 def _routed(original: Callable) -> Callable:
     @functools.wraps(original)
     def call(*args, **kwargs):
-        handlers = getattr(_LOSS_HANDLERS, "stack", None)
+        handlers = getattr(_HANDLERS, "stack", None)
         if not handlers:
             return original(*args, **kwargs)
         return handlers[-1](original, *args, **kwargs)
@@ -504,17 +517,17 @@ def _routed(original: Callable) -> Callable:
 
 
 def _called_by_name(check: _Check, modes: int) -> Callable:
-    """In the checking pass: a loss handler counting the depth of calls made through the
-    loss's name on `torch.nn.functional`, the ones the local run replaces. A torch function
-    mode (sbp's global_mode) calls the name again from inside any call, through a reference
-    held elsewhere too; it runs with itself off torch's mode stack, shorter than the
-    forward's (`modes`), and that is not a call by name."""
+    """In the checking pass: a handler counting the depth of calls made through a name on
+    `torch.nn.functional` that the local run replaces. A torch function mode (sbp's
+    global_mode) calls the name again from inside any call, through a reference held
+    elsewhere too; it runs with itself off torch's mode stack, shorter than the forward's
+    (`modes`), and that is not a call by name."""
 
-    def call(loss, *args, **kwargs):
+    def call(fn, *args, **kwargs):
         if torch._C._len_torch_function_stack() < modes:
-            return loss(*args, **kwargs)
-        with _Depth(check, "loss_depth"):
-            return loss(*args, **kwargs)
+            return fn(*args, **kwargs)
+        with _Depth(check, "attention_depth" if fn is _ATTENTION else "loss_depth"):
+            return fn(*args, **kwargs)
 
     return call
 
@@ -898,9 +911,9 @@ class DataParallel:
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
             modes = torch._C._len_torch_function_stack() + 1  # (with _FusedDropouts)
-            losses = _losses_replaced(_called_by_name(check, modes))
+            by_name = _by_name_replaced(_called_by_name(check, modes))
             row_wise = row_wise_calls.unjudged(check, _batch_size(args, kwargs, data_nd))
-            with torch.no_grad(), counted, losses, row_wise, _FusedDropouts(check):
+            with torch.no_grad(), counted, by_name, row_wise, _FusedDropouts(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
         finally:
@@ -997,8 +1010,8 @@ class DataParallel:
             local_ops.enter_context(
                 _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
             )
-            if layout.losses:
-                local_ops.enter_context(_losses_replaced(run.loss))
+            if layout.losses or layout.dropouts:  # (attention's dropout: by name)
+                local_ops.enter_context(_by_name_replaced(run.by_name))
         else:
             forward, local_ops = self._original, _LocalOps(run)
         with self._slots.swapped(), local_constants.suspended(), local_ops:
