@@ -702,6 +702,45 @@ def _masked_indexing(x, layouts):
     return results
 
 
+def _masked_indexing_beside_outsiders(x):
+    """On ranks 0 and 1 of four: the logical shapes on every rank, values where held."""
+    P_ = sbp.placement("cpu", [0, 1])
+    inside = sbp.env.get_rank() in P_
+    results = []
+    for xs in (S0, S1, B):
+        gx = sbp.tensor(x, P_, xs).requires_grad_()
+        mask, rows = sbp.tensor(x > 0, P_, B), sbp.tensor(x[:, 0] > 0, P_, B)
+        picked, row_picked = gx[mask], gx[rows]
+        out = picked.sum() + (row_picked**2).sum()
+        out.backward()
+        results.append(
+            (
+                tuple(picked.shape),
+                tuple(row_picked.shape),
+                out.full_tensor() if inside else None,
+                gx.grad.full_tensor() if inside else None,
+            )
+        )
+    return results
+
+
+def test_boolean_mask_indexing_beside_ranks_outside_the_placement(pool4):
+    """Ranks outside the placement hold no mask values: they learn each mask's number of
+    positions, so the output's logical shape is the same on every rank (it had no rows
+    there)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    want = xr[x > 0].sum() + (xr[x[:, 0] > 0] ** 2).sum()
+    want.backward()
+    shapes = (tuple(x[x > 0].shape), tuple(x[x[:, 0] > 0].shape))
+    for rank, results in enumerate(pool4.run(_masked_indexing_beside_outsiders, x)):
+        for picked, row_picked, out, grad in results:
+            assert (picked, row_picked) == shapes
+            if rank < 2:
+                torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(grad, xr.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_boolean_mask_indexing_equals_one_process(pool2):
     """`x[mask]` (it raised: torch has no meta nonzero): the mask read as its nonzero
     positions; a mask over dims a split does not touch keeps it (`x[rows]` of a split(1) x)."""

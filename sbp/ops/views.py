@@ -249,16 +249,40 @@ def _unindexed_dims(ndim: int, indices: list) -> dict[int, int]:
     }
 
 
-def _masks_as_integers(indices: list) -> list:
+def _masks_as_integers(given: list, local_idx: list, placement) -> list:
     """A k-dim mask indexes k dims by its nonzero positions, as torch reads it: as k integer
-    indices, found from the mask's values (a rank outside the placement holds none, and
-    sees no rows)."""
-    out = []
-    for i in indices:
-        if i is not None and i.dtype in (torch.bool, torch.uint8):
-            out.extend(i.bool().nonzero(as_tuple=True))
-        else:
+    indices, found from the mask's values (`local_idx`: each index whole on this rank).
+
+    A rank outside the placement holds no values of a global mask (`given`): it learns how
+    many positions each has from the placement's first rank (every rank calls, SPMD), and
+    takes that many zeros, which is all the output's shape needs there."""
+    from sbp import comm
+    from sbp.tensor import GlobalTensor
+
+    inside = env.get_rank() in placement
+    out: list = []
+    learnt = []  # (where in `out`, the logical dims) of each global mask
+    for g, i in zip(given, local_idx, strict=True):
+        if i is None or i.dtype not in (torch.bool, torch.uint8):
             out.append(i)
+            continue
+        is_global = isinstance(g, GlobalTensor)
+        if is_global:
+            learnt.append((len(out), g.dim()))
+        if inside or not is_global:
+            out.extend(i.bool().nonzero(as_tuple=True))
+        else:  # (filled below)
+            out.extend([None] * g.dim())
+    world = tuple(range(env.get_world_size()))
+    if not learnt or len(world) == placement.size:
+        return out
+    counts = [len(out[at]) for at, _ in learnt] if inside else []
+    counts = comm.exchange({}, world, counts, "a boolean mask's number of positions")[
+        placement.flat_ranks[0]
+    ]
+    if not inside:
+        for (at, dims), n in zip(learnt, counts, strict=True):
+            out[at : at + dims] = [torch.zeros(n, dtype=torch.long)] * dims
     return out
 
 
@@ -282,7 +306,7 @@ def index(func, args, kwargs):
         for i in indices
     ]
     if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in local_idx):
-        indices = local_idx = _masks_as_integers(local_idx)  # (whole on every rank)
+        indices = local_idx = _masks_as_integers(indices, local_idx, x._spec.placement)
     kept = _unindexed_dims(len(x.shape), indices)  # (logical shapes: alike on every rank)
     nd = tuple(s if s.is_partial or (s.is_split and s.dim in kept) else broadcast for s in x.sbp)
     x = rebox(x, nd)
