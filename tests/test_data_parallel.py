@@ -1352,6 +1352,11 @@ class FunctionalNorm(torch.nn.Module):
 
 
 def _functional_norm(data):
+    return _train_recording(FunctionalNorm, True, data)
+
+
+def _train_recording(make_model, fast, data):
+    """`_train` on every rank, with each checked layout's `in_modules`."""
     from sbp.nn import fast_path
 
     checked = []
@@ -1363,7 +1368,7 @@ def _functional_norm(data):
 
     fast_path.DataParallel._check = recording
     try:
-        out = _train(FunctionalNorm, sbp.placement.all("cpu"), (S0,), True, data)
+        out = _train(make_model, sbp.placement.all("cpu"), (S0,), fast, data)
     finally:
         fast_path.DataParallel._check = check
     return out, [layout.in_modules for layout in checked]
@@ -1376,6 +1381,46 @@ def test_functional_batch_norm_outside_modules_equals_one_process(pool2):
         assert paths == ["fast"] * len(data) and in_modules == [False]
         assert losses == pytest.approx(ref_losses, abs=1e-12)
         assert _rel(params, ref_params) < 1e-12 and _rel(buffers, ref_buffers) < 1e-12
+
+
+_SDPA_AT_IMPORT = F.scaled_dot_product_attention  # (a reference no name replacement reaches)
+
+
+class Attending(torch.nn.Module):
+    """Self-attention over 4 tokens with dropout, calling torch's attention by its name on
+    torch.nn.functional (as transformers does) or through a reference taken at import."""
+
+    def __init__(self, by_name: bool, p: float = 0.3):
+        super().__init__()
+        self.by_name, self.p = by_name, p
+        self.qkv, self.out = torch.nn.Linear(2, 6), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x.view(x.shape[0], 1, 4, 2)).chunk(3, -1)  # (one head)
+        attend = F.scaled_dot_product_attention if self.by_name else _SDPA_AT_IMPORT
+        return self.out(attend(q, k, v, dropout_p=self.p).flatten(1))
+
+
+def _attending(by_name: bool, fast: bool, data):
+    return _train_recording(functools.partial(Attending, by_name), fast, data)
+
+
+@pytest.mark.parametrize("by_name", [True, False])
+def test_attention_dropout_by_name_or_reference_equals_op_by_op(pool2, by_name):
+    """The local run catches attention's dropout where a model calls it by name, and
+    through a mode over the whole forward where it holds a reference: either way it draws
+    the op-by-op path's masks (the CPU's attention draws them by `bernoulli_`)."""
+    data = _data()
+    fast = pool2.run(_attending, by_name, True, data)
+    per_op = pool2.run(_attending, by_name, False, data)
+    for ((losses, params, _, paths, _), caught), ((want, want_params, _, _, _), _) in zip(
+        fast, per_op, strict=True
+    ):
+        assert paths == ["fast"] * len(data) and caught == [by_name]
+        assert losses == pytest.approx(want, rel=1e-12)
+        assert _rel(params, want_params) < 1e-12
+    no_dropout = _train(functools.partial(Attending, by_name, 0.0), None, None, None, data)[0]
+    assert fast[0][0][0] != pytest.approx(no_dropout, rel=1e-6)  # (masks were drawn)
 
 
 # ---------------------------------------------------------------- compiled local forward
