@@ -1068,13 +1068,15 @@ def test_a_hand_written_mean_of_the_batch_runs_op_by_op(pool2):
 
 
 def test_loss_names_are_torch_s_again_after_overlapping_calls_in_two_threads():
-    """The names `torch.nn.functional.cross_entropy` / `nll_loss` route each thread's calls
-    to its own handler while any thread needs them, and are torch's again after the last."""
+    """The names `torch.nn.functional.cross_entropy` / `nll_loss` (and
+    `scaled_dot_product_attention`) route each thread's calls to its own handler while any
+    thread needs them, and are torch's again after the last."""
     import threading
 
     from sbp.nn import fast_path
 
     original, original_nll = F.cross_entropy, F.nll_loss
+    original_attention = F.scaled_dot_product_attention
     logits, labels = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
     seen, a_in, b_in, a_out = {}, threading.Event(), threading.Event(), threading.Event()
 
@@ -1102,6 +1104,7 @@ def test_loss_names_are_torch_s_again_after_overlapping_calls_in_two_threads():
     a_out.set()
     t.join()
     assert F.cross_entropy is original and F.nll_loss is original_nll
+    assert F.scaled_dot_product_attention is original_attention
     assert seen["A"] == seen["B"] == [True]
     assert seen["A value"] == seen["B value"] == 0
     assert seen["main after A"] == pytest.approx(original(logits, labels).item())
