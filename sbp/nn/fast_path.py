@@ -78,6 +78,7 @@ class Layout:
     out_specs: list = field(default_factory=list)  # GlobalSpec or a plain value, per output leaf
     bn_counts: list[int] = field(default_factory=list)  # logical count of each train-mode BN
     dropouts: int = 0  # random draws of dropout
+    by_name_dropouts: int = 0  # of them, in attention called by name (`_by_name_replaced`)
     losses: int = 0  # cross-entropy (or nll) losses of the batch inside the forward
     # Every BatchNorm and dropout call came from a BatchNorm or Dropout module, or from an
     # attention called through `torch.nn.functional`'s attribute, and every loss through
@@ -132,7 +133,7 @@ class _Check:
         self.data_nd = data_nd
         self.reason = ""
         self.bn_counts: list[int] = []
-        self.dropouts = self.losses = 0
+        self.dropouts = self.losses = self.by_name_dropouts = 0
         self.depth = 0  # inside a BatchNorm or Dropout module's forward
         self.loss_depth = 0  # inside F.cross_entropy or F.nll_loss called by name
         self.attention_depth = 0  # inside F.scaled_dot_product_attention called by name
@@ -218,6 +219,7 @@ class _Check:
             self.bn_counts.append(batch_norm._count(x))
         elif func in self.DROPOUT:
             self.dropouts += 1
+            self.by_name_dropouts += bool(self.attention_depth)
 
     def write(self, g: GlobalTensor, items: list, value: Any) -> None:
         """`g[items] = value`, written in logical coordinates: the local run writes the same
@@ -941,6 +943,7 @@ class DataParallel:
             out_specs=specs,
             bn_counts=check.bn_counts,
             dropouts=check.dropouts,
+            by_name_dropouts=check.by_name_dropouts,
             losses=check.losses,
             in_modules=not check.outside_modules,
         )
@@ -1010,7 +1013,7 @@ class DataParallel:
             local_ops.enter_context(
                 _forwards_replaced(special, _local_forward(run, _LocalOps(run)))
             )
-            if layout.losses or layout.dropouts:  # (attention's dropout: by name)
+            if layout.losses or layout.by_name_dropouts:
                 local_ops.enter_context(_by_name_replaced(run.by_name))
         else:
             forward, local_ops = self._original, _LocalOps(run)
