@@ -584,6 +584,34 @@ BATCH_OPS = {  # ops on a batch split along dim 0 that must stay local (no fallb
 }
 
 
+def _merge_on_2x2(x, nd):
+    """Flatten and unflatten the batch dim on a 2x2 placement: the split follows."""
+    P_ = sbp.placement("cpu", [[0, 1], [2, 3]])
+    gx = sbp.tensor(x, P_, nd).requires_grad_()
+    with sbp.comm_stats() as st:
+        flat = gx.view(-1, x.shape[-1])
+        back = flat.view(x.shape)
+        out = (flat * 2).sum() + back.pow(2).sum()
+        out.backward()
+    return flat.sbp, back.sbp, out.full_tensor(), gx.grad.full_tensor(), st.calls
+
+
+@pytest.mark.parametrize("nd", [(S0, S0), (S0, B), (B, S0)])
+def test_merging_the_batch_dim_keeps_its_split_on_2x2(pool4, nd):
+    """(N, L, E) viewed as (N*L, E) and back: where N divides over all four ranks, each
+    rank's rows of the merged dim are its rows of N, so the split follows (it was made a
+    partial sum on a 2-D placement, and every op after ran on the whole tensor)."""
+    x = torch.randn(8, 3, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    want = (xr.view(-1, 2) * 2).sum() + xr.pow(2).sum()
+    want.backward()
+    for flat, back, out, grad, calls in pool4.run(_merge_on_2x2, x, nd):
+        assert flat == back == nd
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, xr.grad, rtol=1e-12, atol=1e-12)
+        assert calls == 0  # (nothing moved: the sum stays a partial sum)
+
+
 def _batch_op(name):
     P_ = sbp.placement("cpu", [0, 1])
     x, t = _inputs(Row([(8, 6), (8, 6)], None, []), 5)

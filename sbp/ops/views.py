@@ -79,10 +79,12 @@ def reshape(call: Call) -> list[Strategy]:
 
 def evenly_merged_dims(call: Call, in_shape, out_shape) -> list[tuple[int, int]]:
     """(a, b) where output dim b starts where input dim a does (a flatten or unflatten of the
-    batch dim, say) and both divide evenly over a 1-D placement: each rank's contiguous part of
-    dim a is then exactly its part of dim b, so a split follows with no communication."""
+    batch dim, say) and both divide evenly over all the placement's ranks: each rank's
+    contiguous part of dim a, split along any of the hierarchy dims (nested, the first
+    outermost), is then exactly its part of dim b, so a split follows with no
+    communication."""
     n = call.placement.size
-    if call.placement.ndim != 1 or in_shape == out_shape:
+    if in_shape == out_shape:
         return []
     pairs = []
     for a, size in enumerate(in_shape):
