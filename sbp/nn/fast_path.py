@@ -213,13 +213,25 @@ class _Check:
         x = args[0]
         if self.depth == 0 and not (func in self.DROPOUT and self.attention_depth):
             self.outside_modules = True
-        if tuple(x.sbp) != self.data_nd:
+        if tuple(x.sbp) != self.data_nd and not (func in self.DROPOUT and self._batch_moved(x)):
             self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch")
         elif (func in self.BATCH_NORMS and args[5]) or func is self.SHARD_BATCH_NORM:
             self.bn_counts.append(batch_norm._count(x))
         elif func in self.DROPOUT:
             self.dropouts += 1
             self.by_name_dropouts += bool(self.attention_depth)
+
+    def _batch_moved(self, x: GlobalTensor) -> bool:
+        """Is `x` laid out as the batch moved to another dim (`x.transpose(0, 1)` of a
+        sequence-first model, or the `(1, N, L, E)` torch's 3-d attention makes)? Nothing
+        moved before (else the check failed), so every split is the batch's, and `x`'s local
+        tensor is the local run's; a dropout's seed follows the split hierarchy dims, not the
+        tensor dim, so the local run draws the same mask there."""
+        dims = {s.dim for s in x.sbp if s.is_split}
+        return len(dims) == 1 and all(
+            s.is_split == d.is_split and not s.is_partial
+            for s, d in zip(x.sbp, self.data_nd, strict=True)
+        )
 
     def write(self, g: GlobalTensor, items: list, value: Any) -> None:
         """`g[items] = value`, written in logical coordinates: the local run writes the same
