@@ -13,6 +13,7 @@ import sbp
 pytest.importorskip("transformers", reason="needs the `hf` extra")
 
 BATCH, TOKENS, VOCAB = 4, 12, 100
+S0, B = sbp.split(0), sbp.broadcast
 
 
 # name: (config class, model class, the config's arguments): small, randomly initialised
@@ -96,14 +97,19 @@ def _options(name: str) -> dict:
     return {"use_cache": False} if name.startswith(("llama", "gpt2")) else {}
 
 
-def _train(name: str, world: int | None, fast: bool = True):
-    """Losses and parameters after SGD steps; where `world` is given, on global tensors."""
+def _train(name: str, world: int | None, fast: bool = True, nd: tuple | None = None):
+    """Losses and parameters after SGD steps; where `world` is given, on global tensors:
+    on ranks 0..world-1 and the batch split(0), or where `nd` is given, on a 2x2 placement
+    and the batch laid out as `nd`."""
     import sbp.nn
 
     model = _model(name)
     P = None if world is None else sbp.placement("cpu", list(range(world)))
+    if nd is not None:
+        P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    nd = nd or (sbp.split(0),)
     if P is not None:
-        model.to_global(P, sbp.broadcast)
+        model.to_global(P, (sbp.broadcast,) * P.ndim)
         sbp.nn.data_parallel(model, fast=fast)
         sbp.manual_seed(0)  # (the dropout masks: the same draws for both paths)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -112,11 +118,7 @@ def _train(name: str, world: int | None, fast: bool = True):
         if P is not None:
             me = P.coord(sbp.env.get_rank())
             batch = {
-                k: sbp.to_global(
-                    v[sbp.local_slices(v.shape, P, sbp.split(0), me)].contiguous(),
-                    P,
-                    sbp.split(0),
-                )
+                k: sbp.to_global(v[sbp.local_slices(v.shape, P, nd, me)].contiguous(), P, nd)
                 for k, v in batch.items()
             }
             with sbp.global_mode(P):
@@ -160,6 +162,20 @@ def test_transformers_model_trains_on_the_fast_path(pool2, name):
         assert after == functions  # (the checking pass's wrappers are gone)
         # (transformers computes a causal LM's loss in float32)
         rel = 1e-6 if name.startswith(("llama", "gpt2")) else 1e-12
+        assert losses == pytest.approx(ref_losses, rel=rel)
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("nd", [(S0, S0), (S0, B)], ids=["S0,S0", "S0,B"])
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_transformers_model_trains_on_the_fast_path_on_2x2(pool4, name, nd):
+    """On a 2-D placement too: the models' merges of the batch with the sequence
+    (`view(-1, hidden)`) keep the split, so nothing moves (they ran op by op before)."""
+    ref_losses, ref_params, *_ = _train(name, None)
+    for losses, params, paths, *_ in pool4.run(_train, name, 4, True, nd):
+        assert paths == ["fast", "fast"]
+        rel = 1e-6 if name == "llama" else 1e-12  # (a causal LM's loss is float32)
         assert losses == pytest.approx(ref_losses, rel=rel)
         for p, q in zip(params, ref_params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
