@@ -279,7 +279,7 @@ class _FusedDropouts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is(func, _ATTENTION):
+        if _unrouted(func) is _ATTENTION:
             p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             if p and args[0].device.type != "cpu":
                 self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
@@ -313,9 +313,10 @@ class _LocalOps(TorchFunctionMode):
             return self.run.batch_norm(*args, **kwargs)
         if func is F.dropout:
             return self.run.dropout(*args, **kwargs)
-        if _is(func, _ATTENTION):
+        original = _unrouted(func)
+        if original is _ATTENTION:
             return self.run.attention(*args, **kwargs)
-        if _is(func, _LOSSES[0]) or _is(func, _LOSSES[1]):
+        if original in _LOSSES:
             return self.run.loss(func, *args, **kwargs)
         return func(*args, **kwargs)
 
@@ -499,9 +500,16 @@ def _by_name_replaced(handler: Callable) -> Iterator[None]:
 
 
 def _route_names() -> list:
-    saved = [(F, f.__name__, getattr(F, f.__name__)) for f in _BY_NAME]
-    for _, name, f in saved:
-        setattr(F, name, _routed(f))
+    saved = []
+    for f in _BY_NAME:
+        name = f.__name__
+        current = getattr(F, name)
+        route = _ROUTES.get(current)
+        if route is None:  # (made once per function: installs come at every local run)
+            route = _ROUTES[current] = _routed(current)
+            _ROUTED[route] = current
+        setattr(F, name, route)
+        saved.append((F, name, current))
     return saved
 
 
@@ -510,13 +518,16 @@ def _route_names() -> list:
 _LOSSES = (F.cross_entropy, F.nll_loss)
 _ATTENTION = F.scaled_dot_product_attention
 _BY_NAME = (*_LOSSES, _ATTENTION)
+_ROUTES: dict = {}  # a function the names held: the replacement routing to it
+_ROUTED: dict = {}  # a replacement: the function it routes to
 _HANDLERS = threading.local()  # .stack: this thread's handlers, innermost last
 _NAMES = NamesReplaced(_route_names)
 
 
-def _is(func: Any, original: Callable) -> bool:
-    """Is `func` torch's `original`, or the name's replacement routing to it?"""
-    return func is original or getattr(func, "__wrapped__", None) is original
+def _unrouted(func: Any) -> Any:
+    """`func`, or the function a name's replacement routes to (one lookup: the modes ask
+    it of every torch call)."""
+    return _ROUTED.get(func, func)
 
 
 def _routed(original: Callable) -> Callable:
