@@ -136,7 +136,7 @@ def outputs(func, args: tuple, kwargs: dict) -> tuple[list, Any]:
 _DTYPES = [getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)]
 
 
-def _outside_ranks_learn(P, metas: list, inside: bool) -> list:
+def outside_ranks_learn(P, metas: list, inside: bool) -> list:
     """Ranks outside `P` learn the output metadata from its first rank (every rank calls, SPMD)."""
     from sbp import comm, env
 
@@ -182,7 +182,7 @@ def run_data_dependent(func, flat: list, tree: Any, gpos: list[int]) -> Any:
     is_seq = isinstance(out, (list, tuple))
     leaves = list(out) if is_seq else [out]
     metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
-    metas = _outside_ranks_learn(P, metas, inside)
+    metas = outside_ranks_learn(P, metas, inside)
     if not inside:
         from sbp.boxing.executor import empty_local
 

@@ -258,7 +258,7 @@ def _masks_as_integers(given: list, local_idx: list, placement) -> list:
     A rank outside the placement holds no values of a global mask (`given`): it learns how
     many positions each has from the placement's first rank (every rank calls, SPMD), and
     takes that many zeros, which is all the output's shape needs there."""
-    from sbp import comm
+    from sbp.ops.meta import outside_ranks_learn
     from sbp.tensor import GlobalTensor
 
     inside = env.get_rank() in placement
@@ -275,16 +275,13 @@ def _masks_as_integers(given: list, local_idx: list, placement) -> list:
             out.extend(i.bool().nonzero(as_tuple=True))
         else:  # (filled below)
             out.extend([None] * g.dim())
-    world = tuple(range(env.get_world_size()))
-    if not learnt or len(world) == placement.size:
+    if not learnt:
         return out
-    counts = [len(out[at]) for at, _ in learnt] if inside else []
-    counts = comm.exchange({}, world, counts, "a boolean mask's number of positions")[
-        placement.flat_ranks[0]
-    ]
+    metas = [(tuple(out[at].shape), out[at].dtype) for at, _ in learnt] if inside else []
+    metas = outside_ranks_learn(placement, metas, inside)
     if not inside:
-        for (at, dims), n in zip(learnt, counts, strict=True):
-            out[at : at + dims] = [torch.zeros(n, dtype=torch.long)] * dims
+        for (at, dims), (shape, dtype) in zip(learnt, metas, strict=True):
+            out[at : at + dims] = [torch.zeros(shape, dtype=dtype)] * dims
     return out
 
 
