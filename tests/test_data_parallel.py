@@ -1435,8 +1435,42 @@ def test_dropout_on_the_batch_moved_to_another_dim_equals_op_by_op(pool2):
         assert _rel(params, want_params) < 1e-12
 
 
+class DropsAWeight(torch.nn.Module):
+    """Dropout on a broadcast tensor (a weight, not the batch): the same mask on every rank
+    op by op, where the local run would draw one per rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = torch.nn.Linear(8, 3), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.drop(self.lin.weight), self.lin.bias)
+
+
+def _drops_a_weight(fast, data):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _train(DropsAWeight, sbp.placement("cpu", [0, 1]), (S0,), fast, data)
+    return out, [str(w.message) for w in caught if "sbp:" in str(w.message)]
+
+
+def test_dropout_on_a_tensor_not_laid_out_as_the_batch_runs_op_by_op(pool2):
+    """The fast path declines a dropout whose input is not the batch, moved or not."""
+    data = _data()
+    fast = pool2.run(_drops_a_weight, True, data)
+    per_op = pool2.run(_drops_a_weight, False, data)
+    for ((losses, params, _, paths, _), said), ((want, want_params, *_), _) in zip(
+        fast, per_op, strict=True
+    ):
+        assert paths == ["per-op"] * len(data)
+        assert any("not as the batch" in w for w in said), said
+        assert losses == pytest.approx(want, rel=1e-12)
+        assert _rel(params, want_params) < 1e-12
+
+
 @pytest.mark.parametrize("nd", [(S0, S0), (S0, B)])
 def test_dropout_on_the_batch_moved_on_2x2_equals_op_by_op(pool4, nd):
+    """The same on 2x2, the batch split over one hierarchy dim or both."""
     data = _data(n=12)
     P = sbp.placement("cpu", [[0, 1], [2, 3]])
     fast = pool4.run(_train, SequenceFirst, P, nd, True, data)
