@@ -385,8 +385,16 @@ class Reducer:
                 self.on_finish()
 
     def _hook(self, i: int):
+        """Leaf i's post-accumulate hook. It outlives a reducer made anew (a parameter
+        frozen: the other leaves are kept), and must return None then too."""
         ref = weakref.ref(self)
-        return lambda leaf: ref() is not None and ref()._ready(i, leaf)
+
+        def ready(leaf: torch.Tensor) -> None:
+            reducer = ref()
+            if reducer is not None:
+                reducer._ready(i, leaf)
+
+        return ready
 
     def _ready(self, i: int, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None

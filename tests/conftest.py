@@ -22,6 +22,14 @@ settings.load_profile(os.environ.get("SBP_HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
+def pool1():
+    """One SPMD rank (a world of one with a process group)."""
+    from sbp.testing import get_pool
+
+    return get_pool(1)
+
+
+@pytest.fixture(scope="session")
 def pool4():
     """Four SPMD ranks on gloo for the whole session."""
     from sbp.testing import get_pool

@@ -18,14 +18,6 @@ S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
 TOL = 1e-10
 
 
-@pytest.fixture(scope="session")
-def pool1():
-    """One SPMD rank (a world of one with a process group)."""
-    from sbp.testing import get_pool
-
-    return get_pool(1)
-
-
 def _counter(backend="aot_eager"):
     from torch._dynamo.testing import CompileCounterWithBackend
 
