@@ -168,7 +168,7 @@ def take_waiting(p: torch.Tensor) -> None:
             grad = held if grad is None else grad.add_(held)
     if grad is None:
         return
-    p._waiting_grad = None
+    object.__setattr__(p, "_waiting_grad", None)  # (bookkeeping: not a rebinding)
     current = TORCH_GRAD.__get__(p)
     if current is None:
         spec = p._spec if grad.dtype == p._spec.dtype else p._spec._replace(dtype=grad.dtype)
@@ -200,7 +200,7 @@ def drop_waiting(params: list) -> bool:
     if not all(map(is_, waiting, repeat(None))):
         for p, grad in zip(params, waiting, strict=True):
             if grad is not None:
-                p._waiting_grad = None
+                object.__setattr__(p, "_waiting_grad", None)
     claims = list(map(getattr, params, repeat("_waiting_in"), repeat(None)))
     first = claims[0][0] if claims and claims[0] is not None else None
     if first is not None and first.holds_all(claims):
@@ -297,7 +297,7 @@ class Reducer:
                 grad = earlier[0].take(earlier[1])
                 if grad is not None:
                     self._wait(i, grad)
-            p._waiting_in = claim
+            object.__setattr__(p, "_waiting_in", claim)  # (not a rebinding: tensor.REBINDS)
 
     def take(self, leaf: torch.Tensor) -> torch.Tensor | None:
         """The gradient waiting in `leaf` (one of this reducer's), taken out of it; None
@@ -448,7 +448,7 @@ class Reducer:
         p = self.params[i]
         waiting = p._waiting_grad
         if waiting is None:
-            p._waiting_grad = grad
+            object.__setattr__(p, "_waiting_grad", grad)
         else:
             waiting.add_(grad)
 

@@ -41,7 +41,7 @@ from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, r
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import GlobalTensor
+from sbp.tensor import REBINDS, GlobalTensor
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
@@ -298,6 +298,7 @@ class _GroupSwap:
 
     def __init__(self, group: dict, sts: list[dict], whole: tuple):
         params = group["params"]
+        self.rebinds = REBINDS[0]  # (`tensor.REBINDS` when all below was last found so)
         self.group, self.params, self.whole = group, list(params), whole
         self.specs = list(map(_SPEC, params))
         self.bases = list(map(_LOCAL, params))
@@ -360,13 +361,14 @@ class _GroupSwap:
         """Still this group, its parameters, their specs, locals and state tensors?
         (`same_entries`: the state maps every key to the same dict as after the last step.)"""
         params = group["params"]
+        rebinds = REBINDS[0]
+        rebound = rebinds != self.rebinds  # (else the same tensors hold what they held)
         if not (
             group is self.group
             and not group.get("differentiable")
             and len(params) == len(self.params)
             and all(map(is_, params, self.params))
-            and all(map(is_, map(_SPEC, params), self.specs))
-            and all(map(is_, map(_LOCAL, params), self.bases))
+            and not (rebound and not self._same_tensors(params, self.specs, self.bases))
             and all(map(is_, map(WAITING_IN, params), self.claims))
             and (not self.held or self.claims[0][0].exclusive)
         ):
@@ -375,13 +377,27 @@ class _GroupSwap:
         if not same_entries and not all(map(is_, map(state.get, params, repeat(_NO_STATE)), sts)):
             return False
         values = list(chain.from_iterable(map(dict.values, sts)))
-        return (
+        if not (
             len(values) == len(self.values)
             and all(map(is_, values, self.values))
             and all(map(is_, chain.from_iterable(sts), self.keys))
-            and all(map(is_, map(getattr, values, repeat("_local"), values), self.value_locals))
-            and all(map(is_, map(getattr, values, repeat("_spec"), repeat(None)), self.value_specs))
+            and not (rebound and not self._same_values(values))
+        ):
+            return False
+        self.rebinds = rebinds
+        return True
+
+    @staticmethod
+    def _same_tensors(params: list, specs: list, bases: list) -> bool:
+        return all(map(is_, map(_SPEC, params), specs)) and all(
+            map(is_, map(_LOCAL, params), bases)
         )
+
+    def _same_values(self, values: list) -> bool:
+        """The state's tensors hold the same locals and specs (plain values: themselves)?"""
+        return all(
+            map(is_, map(getattr, values, repeat("_local"), values), self.value_locals)
+        ) and all(map(is_, map(getattr, values, repeat("_spec"), repeat(None)), self.value_specs))
 
     def grads(self) -> tuple[list | None, bool] | None:
         """The local of each parameter's gradient, and whether it must be put on the

@@ -58,10 +58,25 @@ class GlobalTensor(torch.Tensor):
             device=local.device,
             requires_grad=requires_grad,
         )
-        out._local = local
-        out._spec = spec
-        out._waiting_grad = out._waiting_in = out._copy_of = None
+        _SET_LOCAL(out, local)
+        _SET_SPEC(out, spec)
+        _SET_WAITING_GRAD(out, None)
+        _SET_WAITING_IN(out, None)
+        _SET_COPY_OF(out, None)
         return out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Counts a rebinding (`REBINDS`), so that caches over global tensors (the
+        data-parallel fast path's parameters, the optimizer's state) know when to look
+        again (`requires_grad_` and `detach_` count too). The waiting gradients, written
+        for every parameter every step, are written around it (`object.__setattr__`)."""
+        if name in _REBINDING:
+            REBINDS[0] += 1
+        super().__setattr__(name, value)
+
+    def detach_(self) -> GlobalTensor:
+        REBINDS[0] += 1
+        return super().detach_()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -169,6 +184,7 @@ class GlobalTensor(torch.Tensor):
 
     def requires_grad_(self, requires_grad: bool = True):
         """Turning on gradients of a leaf also makes its `.grad` end in the leaf's sbp."""
+        REBINDS[0] += 1
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf and not getattr(self, "_sbp_grad_hook", False):
             self._sbp_grad_hook = True
@@ -195,7 +211,7 @@ class GlobalTensor(torch.Tensor):
     def grad(self, value: torch.Tensor | None) -> None:
         gradients.TORCH_GRAD.__set__(self, value)
         if self._waiting_grad is not None:
-            self._waiting_grad = None
+            _SET_WAITING_GRAD(self, None)
         if self._waiting_in is not None:
             self._waiting_in[0].drop([self._waiting_in])
 
@@ -295,6 +311,19 @@ class GlobalTensor(torch.Tensor):
             if not recorded:
                 return checkpoint.copy_plain_value(self, src, non_blocking)
         return super().copy_(src, non_blocking)
+
+
+# How many times any global tensor was rebound: its local tensor, spec, data, class or
+# requires_grad set (`GlobalTensor.__setattr__`, `requires_grad_`, `detach_`). A cache that
+# checked hundreds of global tensors at one count need not read them again while it holds:
+# nothing else changes what they hold (in-place ops write into the same local tensor).
+REBINDS = [0]
+_REBINDING = frozenset(["_local", "_spec", "data", "requires_grad", "__class__", "__dict__"])
+_SET_LOCAL = GlobalTensor._local.__set__
+_SET_SPEC = GlobalTensor._spec.__set__
+_SET_WAITING_GRAD = GlobalTensor._waiting_grad.__set__
+_SET_WAITING_IN = GlobalTensor._waiting_in.__set__
+_SET_COPY_OF = GlobalTensor._copy_of.__set__
 
 
 @functools.cache

@@ -2030,9 +2030,10 @@ def _rebinding_steps(model, data, P, compiled):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_parameters_rebound_between_steps(request, world, compiled):
     """The fast path and the optimizer keep what they found in the parameters from step to
-    step: every way torch rebinds a parameter between steps is seen, and training equals
-    one process's (a frozen parameter's leaf remade in a world of two raised in backward:
-    the kept leaves' hooks returned False for the old reducer). (A world of
+    step, and look again only when a global tensor was rebound (`sbp.tensor.REBINDS`):
+    every way torch rebinds a parameter between steps is seen, and training equals one
+    process's (a frozen parameter's leaf remade in a world of two raised in backward: the
+    kept leaves' hooks returned False for the old reducer). (A world of
     one on its own pool: traced on a rank outside the placement, the parameters get the
     weak references torch's tracing keeps, and torch.utils.swap_tensors refuses them.)"""
     data = _data(steps=7)

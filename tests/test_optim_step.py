@@ -334,8 +334,10 @@ def test_zero_dim_locals_are_trusted_only_inside_a_step():
 def test_kept_group_swaps_follow_changes_between_steps(swaps, monkeypatch):
     """A group's locals and state are reused from step to step (`_GroupSwap`), and made
     anew when what they came from changed between steps: a state tensor replaced, a
-    parameter's data replaced, the state loaded. A params list replaced by an equal one
-    keeps them, and gets its own list back after the step."""
+    parameter's data replaced, the state loaded, a state tensor swapped with another
+    (`torch.utils.swap_tensors`: the same object, which the swap would not re-read if
+    the rebinding went uncounted). A params list replaced by an equal one keeps them, and
+    gets its own list back after the step."""
     made = []
     of = optim_step._GroupSwap.of
     monkeypatch.setattr(
@@ -356,6 +358,10 @@ def test_kept_group_swaps_follow_changes_between_steps(swaps, monkeypatch):
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         elif i == 5:
             lists[model] = opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+        elif i == 6:  # (the same tensor object, holding another: torch's Module._apply does so)
+            torch.utils.swap_tensors(
+                opt.state[params[1]]["momentum_buffer"], as_model(torch.full((7,), 0.02).double())
+            )
 
     for model, opt in ((plain, popt), (glob, gopt)):
         for i, x in enumerate(batches):
@@ -364,8 +370,8 @@ def test_kept_group_swaps_follow_changes_between_steps(swaps, monkeypatch):
             change(model, opt, i)
             opt.step()
     assert swaps == [True] * 7
-    # made at steps 2 (the state is new), 3, 4, 5: reused at 6, 7, 8
-    assert len(made) == 4
+    # made at steps 2 (the state is new), 3, 4, 5 and 7: reused at 6 and 8
+    assert len(made) == 5
     assert gopt.param_groups[0]["params"] is lists[glob]
     _assert_same(plain, glob, popt, gopt)
 

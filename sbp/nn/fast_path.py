@@ -59,7 +59,7 @@ from sbp.ops.conversions import to_copy
 from sbp.ops.nn import nll_layout, shard_seed
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
-from sbp.tensor import GlobalTensor
+from sbp.tensor import REBINDS, GlobalTensor
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
@@ -690,15 +690,28 @@ class _Slots:
         self._trained: list = []  # each parameter's requires_grad then
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (local, leaf)
         self.local: list = []  # per slot, what the local run puts there
+        # `tensor.REBINDS` when the specs were last found the same, and when `local` was
+        # last found up to date: while it stays, no global tensor can differ (skip reading)
+        self._specs_seen = REBINDS[0]
+        self._refreshed = -1
 
     def unchanged(self) -> bool:
-        """The same global tensors in the same places, with the same specs?"""
-        return all(map(is_, map(dict.get, self.tables, self.names), self.tensors)) and all(
-            map(is_, map(_SPEC, self.tensors), self.specs)
-        )
+        """The same global tensors in the same places, with the same specs? (Module tables
+        are written with no hook: they are read every call.)"""
+        if not all(map(is_, map(dict.get, self.tables, self.names), self.tensors)):
+            return False
+        rebinds = REBINDS[0]
+        if rebinds != self._specs_seen:
+            if not all(map(is_, map(_SPEC, self.tensors), self.specs)):
+                return False
+            self._specs_seen = rebinds
+        return True
 
     def refresh(self) -> None:
         """Make a parameter's local leaf again when its local tensor or requires_grad changed."""
+        rebinds = REBINDS[0]
+        if rebinds == self._refreshed:
+            return
         with gradients.PLAIN_GETTERS():
             trained = list(map(_REQUIRES_GRAD, self.params))
         if (
@@ -706,6 +719,7 @@ class _Slots:
             and len(self.tensors) == len(self._locals)
             and all(map(is_, map(_LOCAL, self.tensors), self._locals))
         ):
+            self._refreshed = rebinds
             return
         locals_ = list(map(_LOCAL, self.tensors))
         leaves = {}
@@ -721,6 +735,7 @@ class _Slots:
             for t, local, is_param in zip(self.tensors, locals_, self.is_param, strict=True)
         ]
         self.version = next(_LEAF_VERSIONS)
+        self._refreshed = rebinds
 
     def leaf(self, p: GlobalTensor) -> torch.Tensor:
         return self._leaves[id(p)][1]

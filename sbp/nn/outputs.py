@@ -115,7 +115,7 @@ _METADATA = frozenset(
 
 
 def _demote(x: FastPathOutput) -> None:
-    x.__class__ = GlobalTensor
+    object.__setattr__(x, "__class__", GlobalTensor)  # (local and spec stay: no rebinding)
     del x.__dict__["_twin"]
 
 
