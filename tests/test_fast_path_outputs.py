@@ -290,3 +290,83 @@ def test_an_output_passed_to_a_compiled_function_compiles_it_once():
     assert graphs == 1
     for loss in losses:
         _close(loss, ref_loss)
+
+
+def _backward(loss, params, variant, seen):
+    """`variant` of a backward from `loss` (global or plain); returns the loss's `.grad`
+    where it was retained."""
+    if variant == "plain":
+        loss.backward()
+    elif variant == "twice":  # (the second one accumulates)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif variant == "gradient":
+        loss.backward(gradient=torch.full_like(loss, 2.0))
+    elif variant == "inputs":
+        loss.backward(inputs=params[:2])
+    elif variant == "hook":
+        loss.register_hook(lambda g: seen.append(1) or g * 3)
+        loss.backward()
+    elif variant == "retain_grad":
+        loss.retain_grad()
+        loss.backward()
+        return loss.grad
+    elif variant == "scaled":  # (an op of the loss first)
+        (loss * 0.5).backward()
+    elif variant == "autograd":  # (torch.autograd.backward is not the method)
+        torch.autograd.backward([loss])
+    return None
+
+
+def _backward_of_loss(world, variant):
+    """On each rank: the fast path's loss, `variant` of its backward; returns the loss's
+    class before backward, the ops run op by op during backward, the gradients, whether a
+    hook on the loss ran, and the loss's retained gradient."""
+    from sbp.ops import registry
+
+    P = sbp.placement("cpu", list(range(world)))
+    x, y = _data()
+    torch.manual_seed(0)
+    model = Net().double().to_global(P, B)
+    loss = F.cross_entropy(model(_global(x, P)), _global(y, P))
+    params = list(model.parameters())
+    kind, count, seen = type(loss).__name__, _Count(), []
+    registry.observers.append(count)
+    try:
+        grad = _backward(loss, params, variant, seen)
+    finally:
+        registry.observers.remove(count)
+    grads = [None if p.grad is None else p.grad.full_tensor() for p in params]
+    return kind, count.ops, grads, bool(seen), None if grad is None else grad.full_tensor()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(
+    "variant", ["plain", "twice", "gradient", "inputs", "hook", "retain_grad", "scaled", "autograd"]
+)
+def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
+    """A reduced loss of an output is a FastPathLoss: `loss.backward()` (retain_graph, or
+    inputs: the parameters' local leaves) runs the local graph's backward from this rank's
+    loss, with no op run op by op; a backward given a gradient, a hook, retain_grad or an
+    op of the loss first take the global loss's own graph. Every way, the gradients (and
+    the hook's effect, and the retained gradient) equal one process's. (`inputs` gave the
+    parameters no gradient before: the global parameters are not in the local graph.)"""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = _data()
+    loss = F.cross_entropy(model(x), y)
+    params = list(model.parameters())
+    seen = []
+    ref_grad = _backward(loss, params, variant, seen)
+    want = [p.grad for p in params]
+    pool = request.getfixturevalue(f"pool{world}")
+    for kind, ops, grads, hooked, grad in pool.run(_backward_of_loss, world, variant):
+        assert kind == "FastPathLoss"
+        assert (ops == 0) == (variant in ("plain", "twice", "inputs"))
+        assert hooked == bool(seen)
+        for g, w in zip(grads, want, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                _close(g, w)
+        if ref_grad is not None:
+            _close(grad, ref_grad)

@@ -1138,6 +1138,17 @@ class DataParallel:
         self._compiled = [*self._compiled[-3:], (dict(options), compiled)]
         return compiled
 
+    def local_leaves(self, tensors: list) -> list:
+        """`tensors` with each of the module's parameters replaced by its local leaf, where
+        the local graph accumulates its gradient (a loss's `backward(inputs=...)`)."""
+        leaves = {} if self._slots is None else self._slots._leaves
+        return [
+            leaves[id(t)][1]
+            if id(t) in leaves and leaves[id(t)][0] is getattr(t, "_local", None)
+            else t
+            for t in tensors
+        ]
+
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
 
