@@ -297,7 +297,7 @@ class Reducer:
                 grad = earlier[0].take(earlier[1])
                 if grad is not None:
                     self._wait(i, grad)
-            object.__setattr__(p, "_waiting_in", claim)  # (not a rebinding: tensor.REBINDS)
+            p._waiting_in = claim  # (counted as a rebinding: the optimizer's swap reads it)
 
     def take(self, leaf: torch.Tensor) -> torch.Tensor | None:
         """The gradient waiting in `leaf` (one of this reducer's), taken out of it; None

@@ -368,8 +368,7 @@ class _GroupSwap:
             and not group.get("differentiable")
             and len(params) == len(self.params)
             and all(map(is_, params, self.params))
-            and not (rebound and not self._same_tensors(params, self.specs, self.bases))
-            and all(map(is_, map(WAITING_IN, params), self.claims))
+            and not (rebound and not self._same_tensors(params))
             and (not self.held or self.claims[0][0].exclusive)
         ):
             return False
@@ -387,10 +386,12 @@ class _GroupSwap:
         self.rebinds = rebinds
         return True
 
-    @staticmethod
-    def _same_tensors(params: list, specs: list, bases: list) -> bool:
-        return all(map(is_, map(_SPEC, params), specs)) and all(
-            map(is_, map(_LOCAL, params), bases)
+    def _same_tensors(self, params: list) -> bool:
+        """The parameters hold the same specs and locals, and the same reducers' claims?"""
+        return (
+            all(map(is_, map(_SPEC, params), self.specs))
+            and all(map(is_, map(_LOCAL, params), self.bases))
+            and all(map(is_, map(WAITING_IN, params), self.claims))
         )
 
     def _same_values(self, values: list) -> bool:

@@ -314,11 +314,15 @@ class GlobalTensor(torch.Tensor):
 
 
 # How many times any global tensor was rebound: its local tensor, spec, data, class or
-# requires_grad set (`GlobalTensor.__setattr__`, `requires_grad_`, `detach_`). A cache that
-# checked hundreds of global tensors at one count need not read them again while it holds:
-# nothing else changes what they hold (in-place ops write into the same local tensor).
+# requires_grad set (`GlobalTensor.__setattr__`, `requires_grad_`, `detach_`), or the
+# one-rank reducer whose leaf holds its gradient (`_waiting_in`, see sbp.gradients). A
+# cache that checked hundreds of global tensors at one count need not read them again
+# while it holds: nothing else changes what they hold (in-place ops write into the same
+# local tensor).
 REBINDS = [0]
-_REBINDING = frozenset(["_local", "_spec", "data", "requires_grad", "__class__", "__dict__"])
+_REBINDING = frozenset(
+    ["_local", "_spec", "data", "requires_grad", "__class__", "__dict__", "_waiting_in"]
+)
 _SET_LOCAL = GlobalTensor._local.__set__
 _SET_SPEC = GlobalTensor._spec.__set__
 _SET_WAITING_GRAD = GlobalTensor._waiting_grad.__set__

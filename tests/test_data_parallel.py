@@ -2049,3 +2049,41 @@ def test_parameters_rebound_between_steps(request, world, compiled):
         assert path == "fast"
         assert max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)) < 1e-12
         assert _rel(params, want) < 1e-12
+
+
+def _switching_steps(data, P):
+    """Two steps op by op, then two on the fast path, then one op by op: the optimizer's
+    kept swap, made when no reducer held the gradients, must see the reducer that holds
+    them from the third step (on one rank, in its local leaves)."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    if P is not None:
+        model.to_global(P, B)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    for i, (x, y) in enumerate(data):
+        if P is not None:
+            sbp.nn.data_parallel(model, fast=i in (2, 3))
+            x, y = _global(x, P), _global(y, P)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.full_tensor() if P is not None else p.detach() for p in params]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_fast_path_switched_on_between_steps(request, world):
+    """Training that switches the fast path on and off between steps equals one process
+    (in a world of one, the step would find no gradient if the reducer's claim on the
+    parameters went uncounted: `sbp.tensor.REBINDS`)."""
+    data = _data(steps=5)
+
+    def run():
+        return _switching_steps(data, sbp.placement("cpu", list(range(world))))
+
+    want = _switching_steps(data, None)
+    for got in request.getfixturevalue(f"pool{world}").run(run):
+        assert _rel(got, want) < 1e-12
