@@ -42,6 +42,8 @@ def _cache_layers(obj: Any) -> list | None:
 def output_leaves(out: Any) -> tuple[list, Callable[[list], Any]]:
     """The leaves of `out` with every transformers cache opened (the marker CACHE, then
     each layer's keys and values), and a function that puts new leaves back."""
+    if isinstance(out, torch.Tensor):  # (the usual: one tensor, no tree)
+        return [out], _only
     leaves, tree = tree_flatten(out)
     flat: list = []
     caches = []  # (position of the marker, the cache, its layers)
@@ -66,3 +68,7 @@ def output_leaves(out: Any) -> tuple[list, Callable[[list], Any]]:
         return tree_unflatten([x for k, x in enumerate(new) if k not in opened], tree)
 
     return flat, put_back
+
+
+def _only(new: list) -> Any:
+    return new[0]
