@@ -41,7 +41,7 @@ from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, r
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import REBINDS, GlobalTensor
+from sbp.tensor import REBINDS, GlobalTensor, watch
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
@@ -298,6 +298,8 @@ class _GroupSwap:
 
     def __init__(self, group: dict, sts: list[dict], whole: tuple):
         params = group["params"]
+        watch(params)
+        watch(chain.from_iterable(map(dict.values, sts)))
         self.rebinds = REBINDS[0]  # (`tensor.REBINDS` when all below was last found so)
         self.group, self.params, self.whole = group, list(params), whole
         self.specs = list(map(_SPEC, params))

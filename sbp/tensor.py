@@ -14,7 +14,7 @@ import hashlib
 import importlib.metadata
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,13 @@ class GlobalTensor(torch.Tensor):
     # Slots: every op reads `_local` and `_spec`, and every step the two waiting ones of
     # each parameter. A slot is read in the object itself; an attribute in `__dict__` is
     # a lookup in another table, most often out of the CPU's caches by then.
-    __slots__ = ("_local", "_spec", "_waiting_grad", "_waiting_in", "_copy_of")
+    __slots__ = ("_local", "_spec", "_waiting_grad", "_waiting_in", "_copy_of", "_watched")
     _local: torch.Tensor
     _spec: GlobalSpec
     _waiting_grad: torch.Tensor | None  # (a parameter's: see `grad`)
     _waiting_in: tuple | None  # (a parameter's on one rank: see `grad`)
     _copy_of: tuple | None  # (base, part) of a view that writes through (sbp.ops.writes)
+    _watched: bool  # a cache keeps what it holds: its rebinding counts (`REBINDS`)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
@@ -63,19 +64,24 @@ class GlobalTensor(torch.Tensor):
         _SET_WAITING_GRAD(out, None)
         _SET_WAITING_IN(out, None)
         _SET_COPY_OF(out, None)
+        _SET_WATCHED(out, False)
         return out
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Counts a rebinding (`REBINDS`), so that caches over global tensors (the
-        data-parallel fast path's parameters, the optimizer's state) know when to look
-        again (`requires_grad_` and `detach_` count too). The waiting gradients, written
-        for every parameter every step, are written around it (`object.__setattr__`)."""
-        if name in _REBINDING:
+        """Counts a rebinding of a watched tensor (`REBINDS`), so that caches over global
+        tensors (the data-parallel fast path's parameters, the optimizer's state) know when
+        to look again (`requires_grad_` and `detach_` count too). The waiting gradients,
+        written for every parameter every step, are written around it
+        (`object.__setattr__`)."""
+        if name in _REBINDING and self._watched:
             REBINDS[0] += 1
+        elif name == "_watched" and self._watched:
+            return  # (watched for good: torch.utils.swap_tensors swaps this slot too)
         super().__setattr__(name, value)
 
     def detach_(self) -> GlobalTensor:
-        REBINDS[0] += 1
+        if self._watched:
+            REBINDS[0] += 1
         return super().detach_()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -184,7 +190,8 @@ class GlobalTensor(torch.Tensor):
 
     def requires_grad_(self, requires_grad: bool = True):
         """Turning on gradients of a leaf also makes its `.grad` end in the leaf's sbp."""
-        REBINDS[0] += 1
+        if self._watched:
+            REBINDS[0] += 1
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf and not getattr(self, "_sbp_grad_hook", False):
             self._sbp_grad_hook = True
@@ -313,12 +320,13 @@ class GlobalTensor(torch.Tensor):
         return super().copy_(src, non_blocking)
 
 
-# How many times any global tensor was rebound: its local tensor, spec, data, class or
-# requires_grad set (`GlobalTensor.__setattr__`, `requires_grad_`, `detach_`), or the
+# How many times a watched global tensor was rebound: its local tensor, spec, data, class
+# or requires_grad set (`GlobalTensor.__setattr__`, `requires_grad_`, `detach_`), or the
 # one-rank reducer whose leaf holds its gradient (`_waiting_in`, see sbp.gradients). A
 # cache that checked hundreds of global tensors at one count need not read them again
 # while it holds: nothing else changes what they hold (in-place ops write into the same
-# local tensor).
+# local tensor). A cache watches what it keeps (`watch`); others, such as the gradients
+# sbp's reduction relabels on every backward op by op, do not move the count.
 REBINDS = [0]
 _REBINDING = frozenset(
     ["_local", "_spec", "data", "requires_grad", "__class__", "__dict__", "_waiting_in"]
@@ -328,6 +336,15 @@ _SET_SPEC = GlobalTensor._spec.__set__
 _SET_WAITING_GRAD = GlobalTensor._waiting_grad.__set__
 _SET_WAITING_IN = GlobalTensor._waiting_in.__set__
 _SET_COPY_OF = GlobalTensor._copy_of.__set__
+_SET_WATCHED = GlobalTensor._watched.__set__
+
+
+def watch(tensors: Iterable) -> None:
+    """From now on, count the rebindings of these global tensors (others in `tensors` are
+    passed over): a cache is about to keep what they hold."""
+    for t in tensors:
+        if isinstance(t, GlobalTensor):
+            _SET_WATCHED(t, True)
 
 
 @functools.cache

@@ -2015,6 +2015,8 @@ def _rebinding_steps(model, data, P, compiled):
         elif i == 5:
             new = as_model(torch.full(tuple(params[4].shape), -0.02).double())
             torch.utils.swap_tensors(params[4], new.requires_grad_())
+        elif i == 6:  # (the swapped parameter is still watched)
+            params[4].requires_grad_(False)
         if P is not None:
             x, y = _global(x, P), _global(y, P)
         loss = F.cross_entropy(run(x), y)

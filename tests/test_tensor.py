@@ -244,3 +244,38 @@ def test_a_local_scatter_buffer_is_trusted_only_inside_backward():
     g.max(dim=1).values.sum().backward()
     want = torch.zeros_like(x).scatter(1, x.argmax(dim=1, keepdim=True), 1.0)
     assert torch.equal(g.grad.full_tensor(), want)
+
+
+def _rebind_counts():
+    from sbp.tensor import REBINDS, watch
+
+    Pl = sbp.placement("cpu", [0])
+    a, b = (sbp.tensor(torch.full((2,), v), Pl, B) for v in (1.0, 2.0))
+    counts = []
+
+    def counted(change):
+        before = REBINDS[0]
+        change()
+        counts.append(REBINDS[0] - before)
+
+    counted(lambda: setattr(a, "_spec", a._spec))  # unwatched: not counted
+    watch([a, torch.zeros(1)])  # (plain tensors are passed over)
+    counted(lambda: setattr(a, "_spec", a._spec))
+    counted(lambda: a.requires_grad_())
+    counted(lambda: setattr(a, "requires_grad", False))
+    counted(lambda: setattr(a, "data", b.detach()))
+    counted(lambda: a.detach_())
+    counted(lambda: setattr(a, "foo", 1))  # (any other attribute: not a rebinding)
+    torch.utils.swap_tensors(a, b)  # (swaps every slot, `_watched` too)
+    return counts, a._watched
+
+
+def test_a_rebinding_counts_for_watched_global_tensors_only(pool1):
+    """What the fast path's and the optimizer's caches rely on (`sbp.tensor.REBINDS`): a
+    watched global tensor's local, spec, data, class or requires_grad set moves the count,
+    an unwatched one's does not, and a tensor stays watched through swap_tensors."""
+    counts, a_watched = pool1.run(_rebind_counts)[0]
+    assert counts[0] == 0
+    assert all(c >= 1 for c in counts[1:6])
+    assert counts[6] == 0
+    assert a_watched

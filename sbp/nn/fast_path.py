@@ -59,7 +59,7 @@ from sbp.ops.conversions import to_copy
 from sbp.ops.nn import nll_layout, shard_seed
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
-from sbp.tensor import REBINDS, GlobalTensor
+from sbp.tensor import REBINDS, GlobalTensor, watch
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
@@ -681,6 +681,7 @@ class _Slots:
         self.tables = [table for table, _, _, _ in found]
         self.names = [name for _, name, _, _ in found]
         self.tensors = [t for _, _, t, _ in found]
+        watch(self.tensors)
         self.specs = list(map(_SPEC, self.tensors))
         self.is_param = [is_param for _, _, _, is_param in found]
         self.params = list({id(t): t for _, _, t, is_param in found if is_param}.values())
