@@ -70,19 +70,13 @@ class GlobalTensor(torch.Tensor):
     def __setattr__(self, name: str, value: Any) -> None:
         """Counts a rebinding of a watched tensor (`REBINDS`), so that caches over global
         tensors (the data-parallel fast path's parameters, the optimizer's state) know when
-        to look again (`requires_grad_` and `detach_` count too). The waiting gradients,
-        written for every parameter every step, are written around it
-        (`object.__setattr__`)."""
+        to look again. The waiting gradients, written for every parameter every step, are
+        written around it (`object.__setattr__`)."""
         if name in _REBINDING and self._watched:
             REBINDS[0] += 1
         elif name == "_watched" and self._watched:
             return  # (watched for good: torch.utils.swap_tensors swaps this slot too)
         super().__setattr__(name, value)
-
-    def detach_(self) -> GlobalTensor:
-        if self._watched:
-            REBINDS[0] += 1
-        return super().detach_()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -190,8 +184,6 @@ class GlobalTensor(torch.Tensor):
 
     def requires_grad_(self, requires_grad: bool = True):
         """Turning on gradients of a leaf also makes its `.grad` end in the leaf's sbp."""
-        if self._watched:
-            REBINDS[0] += 1
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf and not getattr(self, "_sbp_grad_hook", False):
             self._sbp_grad_hook = True
@@ -320,17 +312,16 @@ class GlobalTensor(torch.Tensor):
         return super().copy_(src, non_blocking)
 
 
-# How many times a watched global tensor was rebound: its local tensor, spec, data, class
-# or requires_grad set (`GlobalTensor.__setattr__`, `requires_grad_`, `detach_`), or the
-# one-rank reducer whose leaf holds its gradient (`_waiting_in`, see sbp.gradients). A
+# How many times a watched global tensor was rebound: its local tensor, spec, data or class
+# set (`GlobalTensor.__setattr__`), or the one-rank reducer whose leaf holds its gradient
+# (`_waiting_in`, see sbp.gradients). (Not requires_grad: torch's C++ turns it off unseen,
+# as `torch.detach_(p)` does, so the fast path reads it every call.) A
 # cache that checked hundreds of global tensors at one count need not read them again
 # while it holds: nothing else changes what they hold (in-place ops write into the same
 # local tensor). A cache watches what it keeps (`watch`); others, such as the gradients
 # sbp's reduction relabels on every backward op by op, do not move the count.
 REBINDS = [0]
-_REBINDING = frozenset(
-    ["_local", "_spec", "data", "requires_grad", "__class__", "__dict__", "_waiting_in"]
-)
+_REBINDING = frozenset(["_local", "_spec", "data", "__class__", "__dict__", "_waiting_in"])
 _SET_LOCAL = GlobalTensor._local.__set__
 _SET_SPEC = GlobalTensor._spec.__set__
 _SET_WAITING_GRAD = GlobalTensor._waiting_grad.__set__

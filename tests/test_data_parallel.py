@@ -1990,7 +1990,8 @@ def test_gradient_accumulation_op_by_op_stays_bucketed(pool2):
 def _rebinding_steps(model, data, P, compiled):
     """Train, rebinding parameters between steps as torch's own paths do: requires_grad
     set or turned off and on again, `.data` replaced, `detach_`, `torch.utils.swap_tensors`
-    (the same objects, holding other tensors). Returns the losses and parameters."""
+    (the same objects, holding other tensors), requires_grad turned off by torch's C++
+    (`torch.detach_`, the unbound method). Returns the losses and parameters."""
     import sbp.nn
 
     as_model = (lambda t: t) if P is None else (lambda t: sbp.to_global(t, P, B))
@@ -2017,6 +2018,11 @@ def _rebinding_steps(model, data, P, compiled):
             torch.utils.swap_tensors(params[4], new.requires_grad_())
         elif i == 6:  # (the swapped parameter is still watched)
             params[4].requires_grad_(False)
+            params[2].data = as_model(torch.full(tuple(params[2].shape), 0.01).double())
+        elif i == 7:  # (torch's C++ turns requires_grad off: no Python write to see)
+            torch.Tensor.requires_grad_(params[5], False)
+        elif i == 8:
+            torch.detach_(params[6])
         if P is not None:
             x, y = _global(x, P), _global(y, P)
         loss = F.cross_entropy(run(x), y)
@@ -2038,7 +2044,7 @@ def test_parameters_rebound_between_steps(request, world, compiled):
     kept leaves' hooks returned False for the old reducer). (A world of
     one on its own pool: traced on a rank outside the placement, the parameters get the
     weak references torch's tracing keeps, and torch.utils.swap_tensors refuses them.)"""
-    data = _data(steps=7)
+    data = _data(steps=9)
 
     def run():
         torch.manual_seed(0)

@@ -709,16 +709,18 @@ class _Slots:
         return True
 
     def refresh(self) -> None:
-        """Make a parameter's local leaf again when its local tensor or requires_grad changed."""
-        rebinds = REBINDS[0]
-        if rebinds == self._refreshed:
-            return
+        """Make a parameter's local leaf again when its local tensor or requires_grad changed.
+        (requires_grad is read every call: torch's C++ can turn it off unseen, as
+        `torch.detach_(p)` does.)"""
         with gradients.PLAIN_GETTERS():
             trained = list(map(_REQUIRES_GRAD, self.params))
-        if (
-            trained == self._trained
-            and len(self.tensors) == len(self._locals)
-            and all(map(is_, map(_LOCAL, self.tensors), self._locals))
+        rebinds = REBINDS[0]
+        if trained == self._trained and (
+            rebinds == self._refreshed
+            or (
+                len(self.tensors) == len(self._locals)
+                and all(map(is_, map(_LOCAL, self.tensors), self._locals))
+            )
         ):
             self._refreshed = rebinds
             return
