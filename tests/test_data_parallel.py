@@ -2095,3 +2095,48 @@ def test_the_fast_path_switched_on_between_steps(request, world):
     want = _switching_steps(data, None)
     for got in request.getfixturevalue(f"pool{world}").run(run):
         assert _rel(got, want) < 1e-12
+
+
+def _compiled_step_training(data, P):
+    """SGD steps of a function, under torch.compile, that runs the model, the loss and its
+    backward (the optimizer's step outside)."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    if P is not None:
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step, backend="eager")
+    for x, y in data:
+        if P is not None:
+            x, y = _global(x, P), _global(y, P)
+        opt.zero_grad()
+        compiled(x, y)
+        opt.step()
+    return [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_compiled_function_with_the_backward_inside(request, world):
+    """torch.compile of a function holding the model's call, the loss and backward: the
+    backward runs after a graph break, where Dynamo compiled sbp's dispatch (a gradient of
+    ones made for the loss) and crashed on a half-made GlobalTensor; it now skips it."""
+    data = _data(steps=3)
+
+    def run():
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        return _compiled_step_training(data, sbp.placement("cpu", list(range(world))))
+
+    want = _compiled_step_training(data, None)
+    for got in request.getfixturevalue(f"pool{world}").run(run, timeout=600):
+        assert _rel(got, want) < 1e-12
