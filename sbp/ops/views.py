@@ -112,10 +112,20 @@ def transpose(call: Call) -> list[Strategy]:
     return mapped([(a, order.index(a)) for a in range(ndim)], 1)
 
 
-@register_strategy(aten.unsqueeze, aten.squeeze)
-def squeeze(call: Call) -> list[Strategy]:
+@register_strategy(aten.unsqueeze)
+def unsqueeze(call: Call) -> list[Strategy]:
     in_shape, out_shape = call.specs[0].shape, call.out_meta[0][0]
     return mapped(kept_dims(in_shape, out_shape), 1)
+
+
+def _shard_shaped(func, args, kwargs, outs, in_specs, out_specs):
+    """A shard of one row along a dim the logical tensor keeps is a local dim of size one,
+    which the local squeeze removes too: view each rank's result as its shard."""
+    want = out_specs[0].local_shape(env.get_rank())
+    return [outs[0] if tuple(outs[0].shape) == tuple(want) else outs[0].view(want)]
+
+
+register_strategy(aten.squeeze, post=_shard_shaped)(unsqueeze)
 
 
 @register_strategy(aten.slice, aten.select, aten.narrow)
