@@ -1991,7 +1991,8 @@ def _rebinding_steps(model, data, P, compiled):
     """Train, rebinding parameters between steps as torch's own paths do: requires_grad
     set or turned off and on again, `.data` replaced, `detach_`, `torch.utils.swap_tensors`
     (the same objects, holding other tensors), requires_grad turned off by torch's C++
-    (`torch.detach_`, the unbound method). Returns the losses and parameters."""
+    (`torch.detach_`, the unbound method), `set_` to another tensor. Returns the losses and
+    parameters."""
     import sbp.nn
 
     as_model = (lambda t: t) if P is None else (lambda t: sbp.to_global(t, P, B))
@@ -2023,6 +2024,9 @@ def _rebinding_steps(model, data, P, compiled):
             torch.Tensor.requires_grad_(params[5], False)
         elif i == 8:
             torch.detach_(params[6])
+        elif i == 9:  # (the local tensor object stays, its storage changes)
+            with torch.no_grad():
+                params[2].set_(as_model(torch.full(tuple(params[2].shape), 0.02).double()))
         if P is not None:
             x, y = _global(x, P), _global(y, P)
         loss = F.cross_entropy(run(x), y)
@@ -2044,7 +2048,7 @@ def test_parameters_rebound_between_steps(request, world, compiled):
     kept leaves' hooks returned False for the old reducer). (A world of
     one on its own pool: traced on a rank outside the placement, the parameters get the
     weak references torch's tracing keeps, and torch.utils.swap_tensors refuses them.)"""
-    data = _data(steps=9)
+    data = _data(steps=11)
 
     def run():
         torch.manual_seed(0)

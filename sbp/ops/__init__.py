@@ -12,6 +12,7 @@ from sbp.ops import (  # noqa: F401 - register rules
     conversions,
     decomposed,
     init,
+    inplace_views,
     linalg,
     nn,
     optim,

@@ -49,13 +49,18 @@ _views: dict = {}
 
 
 def is_inplace(func) -> bool:
-    """Does `func` write into its first argument and return it (`add_`, `copy_`, ...)?"""
+    """Does `func` write values into its first argument and return it (`add_`, `copy_`,
+    ...)? Not the in-place view ops (`t_`, `set_`), which change what it shows
+    (`sbp.ops.inplace_views`)."""
     found = _inplace.get(func)
     if found is None:
         args = func._schema.arguments
         alias = args[0].alias_info if args else None
         found = _inplace[func] = bool(
-            alias is not None and alias.is_write and not args[0].kwarg_only
+            alias is not None
+            and alias.is_write
+            and not args[0].kwarg_only
+            and torch.Tag.inplace_view not in func.tags
         )
     return found
 
@@ -65,9 +70,8 @@ def is_view(func) -> bool:
     found = _views.get(func)
     if found is None:
         returns = func._schema.returns
-        found = _views[func] = (
-            bool(returns) and returns[0].alias_info is not None and not is_inplace(func)
-        )
+        alias = returns[0].alias_info if returns else None
+        found = _views[func] = alias is not None and not alias.is_write
     return found
 
 
