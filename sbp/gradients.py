@@ -18,7 +18,7 @@ import functools
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 from operator import attrgetter, is_
 
@@ -37,6 +37,20 @@ TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor
 # every read, ~0.17 us on a GlobalTensor (whose is disabled); inside this they do not. For
 # the loops over every parameter that run each step.
 PLAIN_GETTERS = torch._C.DisableTorchFunctionSubclass
+
+
+# The data-parallel fast paths alive (`sbp.nn.fast_path.DataParallel`): each computes its
+# parameters' gradients in local leaves, and knows which (`local_leaves`).
+LEAF_OWNERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def local_leaves(inputs: torch.Tensor | Iterable[torch.Tensor]) -> list:
+    """`inputs` of a `backward(inputs=...)` with each fast-path parameter replaced by the
+    local leaf its local graph accumulates into: the parameter itself is in no graph."""
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    for owner in list(LEAF_OWNERS):
+        tensors = owner.local_leaves(tensors)
+    return tensors
 
 
 def post_accumulate_hook(leaf: torch.Tensor) -> None:

@@ -190,6 +190,19 @@ class GlobalTensor(torch.Tensor):
             self.register_post_accumulate_grad_hook(gradients.post_accumulate_hook)
         return self
 
+    def backward(
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
+        """torch's backward; `inputs` that are data-parallel fast-path parameters stand for
+        the local leaves their gradients accumulate in (`sbp.gradients.local_leaves`)."""
+        if inputs is not None:
+            inputs = gradients.local_leaves(inputs)
+        torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs)
+
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
         """The wrapper always has the logical contiguous strides (so torch's own `contiguous`
         returns it unchanged); the local tensor of a transpose or slice does not: copy it then."""

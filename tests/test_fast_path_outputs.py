@@ -313,6 +313,8 @@ def _backward(loss, params, variant, seen):
         return loss.grad
     elif variant == "scaled":  # (an op of the loss first)
         (loss * 0.5).backward()
+    elif variant == "scaled inputs":  # (the global loss's graph, given parameters)
+        (loss * 0.5).backward(inputs=params[1:3])
     elif variant == "autograd":  # (torch.autograd.backward is not the method)
         torch.autograd.backward([loss])
     return None
@@ -342,7 +344,18 @@ def _backward_of_loss(world, variant):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize(
-    "variant", ["plain", "twice", "gradient", "inputs", "hook", "retain_grad", "scaled", "autograd"]
+    "variant",
+    [
+        "plain",
+        "twice",
+        "gradient",
+        "inputs",
+        "hook",
+        "retain_grad",
+        "scaled",
+        "scaled inputs",
+        "autograd",
+    ],
 )
 def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
     """A reduced loss of an output is a FastPathLoss: `loss.backward()` (retain_graph, or
@@ -350,7 +363,8 @@ def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
     loss, with no op run op by op; a backward given a gradient, a hook, retain_grad or an
     op of the loss first take the global loss's own graph. Every way, the gradients (and
     the hook's effect, and the retained gradient) equal one process's. (`inputs` gave the
-    parameters no gradient before: the global parameters are not in the local graph.)"""
+    parameters no gradient before, of a FastPathLoss or of a loss used first: the global
+    parameters are not in the local graph.)"""
     torch.manual_seed(0)
     model = Net().double()
     x, y = _data()

@@ -789,6 +789,7 @@ class DataParallel:
         # outputs are `sbp.nn.outputs.FastPathOutput`s (their losses run on local tensors)
         # until one is passed to a compiled function
         self.twins = True
+        gradients.LEAF_OWNERS.add(self)  # (a backward's inputs=[parameters]: local_leaves)
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from sbp.gradients import PLAIN_GETTERS
+from sbp.gradients import PLAIN_GETTERS, local_leaves
 from sbp.layout import GlobalSpec
 from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
 from sbp.signature import broadcast, is_all_broadcast, splits_to_partials
@@ -152,7 +152,7 @@ def _local_backward(args: tuple, kwargs: dict) -> bool:
         twin.local.grad_fn.register_prehook(lambda grads: reducer.backward_started())
     inputs = kwargs.get("inputs")
     if inputs is not None:  # (a parameter's gradient is its local leaf's, in the local graph)
-        inputs = twin.owner.local_leaves([inputs] if isinstance(inputs, torch.Tensor) else inputs)
+        inputs = local_leaves(inputs)
     torch.autograd.backward(twin.local, retain_graph=kwargs.get("retain_graph"), inputs=inputs)
     return True
 
