@@ -94,6 +94,42 @@ def _as_strided_broadcast(make):
     return [x]
 
 
+def _copied_view_written_after_its_base_moved(make):
+    h = make(_logical(SHAPE, 0), S0)
+    c = h[1:3]  # (a slice across the split: a copy that writes back)
+    h.t_()
+    c.fill_(-1.0)  # (into the rows it showed: columns of h now)
+    return [h, c]
+
+
+def _copied_view_written_after_its_base_was_set(make):
+    h, y = make(_logical(SHAPE, 0), S0), make(_logical(SHAPE, 1), S0)
+    c = h[1:3]
+    h.set_(y)
+    c.fill_(-1.0)  # (into h's old data, shown by neither h nor y)
+    return [h, y, c]
+
+
+def _set_to_itself_and_to_a_moved_view(make):
+    h = make(_logical(SHAPE, 0), S0)
+    c = h[1:4]
+    c.set_(c)  # (nothing to do)
+    c.add_(1.0)
+    x = make(_logical((1, 7), 1), B)
+    x.set_(c)  # (x shows h's rows 1..3 ...)
+    c.set_(make(_logical((2, 2), 2), B))  # (... also once c shows something else)
+    x.mul_(3.0)
+    return [h, x, c]
+
+
+def _set_to_a_copy_of_its_own_part(make):
+    x = make(_logical(SHAPE, 0), S0)
+    older = x[:, :3]
+    x.set_(x[1:3])  # (a slice across the split: a copy, which writes back)
+    x.mul_(2.0)
+    return [x, older]
+
+
 CASES = [
     (_transpose_seen_by_an_older_view, [S1, S0]),
     (_transpose_and_swap_back, [S1]),
@@ -105,6 +141,10 @@ CASES = [
     (_resize_broadcast, [B]),
     (_resize_partial, [P]),
     (_as_strided_broadcast, [B]),
+    (_copied_view_written_after_its_base_moved, [S1, None]),
+    (_copied_view_written_after_its_base_was_set, [S0, S0, None]),
+    (_set_to_itself_and_to_a_moved_view, [S0, None, B]),
+    (_set_to_a_copy_of_its_own_part, [None, S0]),
 ]
 
 
@@ -183,6 +223,10 @@ def _refused(what):
             x.resize_(6, 4)
         elif what == "set local":
             x.set_(torch.zeros(4, 6, dtype=torch.float64))
+        elif what == "resize a copy":
+            c = x[1:3]
+            c.resize_(12)
+            return None, "", tuple(c.shape)
         elif what == "set storage":
             x.set_(torch.zeros(24, dtype=torch.float64).untyped_storage())
         else:  # a strided view of a split tensor is gathered: a copy with no way back
@@ -199,6 +243,7 @@ def _refused(what):
         ("resize split", "SbpSignatureError", "cannot be resized"),
         ("set local", "PlacementError", "make it global first"),
         ("set storage", "PlacementError", "a storage is one rank's memory"),
+        ("resize a copy", "SbpSignatureError", "would no longer show a part"),
         ("write strided", "SbpSignatureError", "cannot reach the base"),
     ],
 )

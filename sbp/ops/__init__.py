@@ -16,6 +16,7 @@ from sbp.ops import (  # noqa: F401 - register rules
     linalg,
     nn,
     optim,
+    out_variants,
     pointwise,
     reductions,
     shard_batch_norm,

@@ -17,7 +17,7 @@ from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError, SbpSignatureError
 from sbp.ops.registry import register
-from sbp.ops.writes import ALIASED
+from sbp.ops.writes import as_shown
 from sbp.signature import Split, broadcast
 
 aten = torch.ops.aten
@@ -48,18 +48,11 @@ def become(x, view) -> Any:
     return x
 
 
-def _as_before(x) -> Any:
-    """A global tensor holding what `x` holds now: the base of the view `x` becomes."""
-    before = _global_type()(x._local, x._spec)
-    before._copy_of = x._copy_of
-    return before
-
-
 @register(*_VIEW_OF)
 def view_in_place(func, args: tuple, kwargs: dict) -> Any:
     """`x.t_()` is `x` becoming `x.t()`."""
     x = args[0]
-    return become(x, _VIEW_OF[func](_as_before(x), *args[1:], **kwargs))
+    return become(x, _VIEW_OF[func](as_shown(x), *args[1:], **kwargs))
 
 
 @register(aten.set_.source_Tensor, aten.set_.default)
@@ -79,8 +72,10 @@ def set_to(func, args: tuple, kwargs: dict) -> Any:
             "show another global tensor's data: make it global first "
             "(source.to_global(placement, sbp))"
         )
+    if source is x:
+        return x
     view = GlobalTensor(aten.alias.default(source._local), source._spec)
-    view._copy_of = None if source._copy_of is None else (source, ALIASED)
+    view._copy_of = source._copy_of  # (x shows what source shows, wherever source goes)
     return become(x, view)
 
 
@@ -112,6 +107,12 @@ def resize(func, args: tuple, kwargs: dict) -> Any:
             f"{func}: a tensor of sbp {x.sbp} cannot be resized from {tuple(x.shape)} to "
             f"{size}: its elements would move between ranks. Convert it to broadcast first "
             "(x.to_global(sbp=...)), or make a new tensor"
+        )
+    if x._copy_of is not None:
+        raise SbpSignatureError(
+            f"{func}: the tensor is a view sbp had to copy from its base (of sbp "
+            f"{x._copy_of[0].sbp}); resized to {size} it would no longer show a part of "
+            "the base. Resize a clone, or the base"
         )
     spec = x._spec._replace(shape=size)
     if env.get_rank() in x.placement:

@@ -127,13 +127,19 @@ def register_strategy(*ops: Any, local_args: Callable | None = None, post: Calla
 _rules_when: list[tuple[Callable[[Any], bool], Any]] = []
 
 
-def register_when(predicate: Callable[[Any], bool], strategy: bool = False):
+# the same, taken before the rule of an overload's packet (`aten.add.out` is not `aten.add`)
+_rules_first: list[tuple[Callable[[Any], bool], Any]] = []
+
+
+def register_when(predicate: Callable[[Any], bool], strategy: bool = False, first: bool = False):
     """Decorator for a rule, `fn(func, args, kwargs)` (or with `strategy`, a candidates
     function): ops with no rule of their own for which `predicate(op)` holds run by it (a
-    class of ops torch tags, where a list would miss some)."""
+    class of ops torch tags, where a list would miss some). With `first`, also ops whose
+    packet has a rule."""
 
     def deco(fn):
-        _rules_when.append((predicate, StrategyRule(fn) if strategy else fn))
+        rules = _rules_first if first else _rules_when
+        rules.append((predicate, StrategyRule(fn) if strategy else fn))
         return fn
 
     return deco
@@ -329,7 +335,11 @@ def _resolve(func):
     """The rule of `func` (a StrategyRule or a function), looked up once per op."""
     rule = _resolved.get(func)
     if rule is None:
-        rule = _rules.get(func) or _rules.get(func.overloadpacket)
+        rule = _rules.get(func)
+        if rule is None:
+            rule = next((r for applies, r in _rules_first if applies(func)), None)
+        if rule is None:
+            rule = _rules.get(func.overloadpacket)
         if rule is None:
             rule = next((r for applies, r in _rules_when if applies(func)), None)
         if rule is None:

@@ -125,9 +125,21 @@ def mark_view(func, args: tuple, kwargs: dict, outs: list, boxed: bool, copied: 
         parts = [ALIASED] * len(outs)
     else:
         return
+    shown = as_shown(base)
     for out, part in zip(outs, parts, strict=True):
         if out is not None:
-            out._copy_of = (base, part)
+            out._copy_of = (shown, part)
+
+
+def as_shown(x) -> Any:
+    """A global tensor holding what `x` shows now (its local tensor, spec, and base). A copied
+    view remembers it, not `x`: `x` may later show other data (`x.t_()`, `x.set_(y)`), while
+    the view goes on showing its part of the old, as a torch view keeps its storage."""
+    from sbp.tensor import GlobalTensor
+
+    shown = GlobalTensor(x._local, x._spec)
+    shown._copy_of = x._copy_of
+    return shown
 
 
 def written(g) -> Any:

@@ -1,0 +1,46 @@
+"""`out=` variants (`torch.add(a, b, out=c)`): the op's functional form, written into `out`.
+
+Run as any other op, `out` would be boxed to what the op's rule wants, a copy where its
+layout differs, and the result written into that copy: lost. Instead the functional form
+runs by its rule, and `out` takes the result: copied in, in `out`'s own layout, or where
+the shapes differ (torch resizes `out` then) `out` becomes the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sbp.ops.inplace_views import become
+from sbp.ops.registry import register_when
+
+_written: dict = {}
+
+
+def _out_names(func) -> tuple[str, ...]:
+    """The keyword-only arguments `func` writes its results into (cached)."""
+    names = _written.get(func)
+    if names is None:
+        names = _written[func] = tuple(
+            a.name
+            for a in func._schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+        )
+    return names
+
+
+@register_when(lambda func: bool(_out_names(func)), first=True)
+def out_variant(func, args: tuple, kwargs: dict) -> Any:
+    names = _out_names(func)
+    outs = [kwargs[name] for name in names]
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    results = func.overloadpacket(*args, **rest)
+    if isinstance(results, torch.Tensor):
+        results = (results,)
+    for out, result in zip(outs, results, strict=True):
+        if tuple(out.shape) == tuple(result.shape):
+            out.copy_(result)
+        else:
+            become(out, result.to(out.dtype))
+    return outs[0] if len(outs) == 1 else tuple(outs)
