@@ -172,15 +172,19 @@ def test_view_in_place_equals_one_process(case, layouts, world, request):
                 assert layout == (keep,)
 
 
-def _views_in_place_under_autograd(layout):
-    placement = sbp.placement("cpu", [0, 1])
-    w = sbp.tensor(_logical(SHAPE, 0), placement=placement, sbp=layout).requires_grad_()
+def _loss_through_views_in_place(w):
     h = w * 2.0
     h.t_()
     h.unsqueeze_(0)
     k = w * 3.0
     k.transpose_(0, 1)
-    loss = (h * h).sum() + (k[2:] ** 3).sum()
+    return (h * h).sum() + (k[2:] ** 3).sum()
+
+
+def _views_in_place_under_autograd(layout):
+    placement = sbp.placement("cpu", [0, 1])
+    w = sbp.tensor(_logical(SHAPE, 0), placement=placement, sbp=layout).requires_grad_()
+    loss = _loss_through_views_in_place(w)
     loss.backward()
     return loss.item(), w.grad.full_tensor()
 
@@ -188,12 +192,7 @@ def _views_in_place_under_autograd(layout):
 @pytest.mark.parametrize("layout", [B, S0, S1])
 def test_views_in_place_under_autograd(pool2, layout):
     w = _logical(SHAPE, 0).requires_grad_()
-    h = w * 2.0
-    h.t_()
-    h.unsqueeze_(0)
-    k = w * 3.0
-    k.transpose_(0, 1)
-    loss = (h * h).sum() + (k[2:] ** 3).sum()
+    loss = _loss_through_views_in_place(w)
     loss.backward()
     for got_loss, got_grad in pool2.run(_views_in_place_under_autograd, layout):
         assert abs(got_loss - loss.item()) < 1e-10
