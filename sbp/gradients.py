@@ -60,6 +60,11 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     spec = getattr(grad, "_spec", None)  # (only global tensors have one)
     if spec is None:
         return
+    if not grad._local.is_contiguous():
+        # An expanded gradient (`p.sum()`'s, one element seen everywhere): torch's
+        # AccumulateGrad makes a `.grad` of its own only where the wrapper's strides are
+        # off, and a global tensor's claim contiguous. In-place updates need its own.
+        grad._local = grad._local.contiguous()
     target = leaf._spec
     if grad.dtype != target.dtype:
         target = target._replace(dtype=grad.dtype)

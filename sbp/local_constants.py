@@ -131,6 +131,7 @@ def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: li
     `P`, with their specs in the decision key and their positions among the global ones."""
     if P is None:
         raise PlacementError(f"{func}: implicit_replication needs a global input to place on")
+    first = len(key) - len(flat)  # (the key holds one entry per argument, after its head)
     for i in positions:
         a = flat[i]
         if a.requires_grad:
@@ -141,7 +142,7 @@ def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: li
         if _checking():
             check_same_on_ranks(a, P, f"the local tensor argument {i} of {func}")
         flat[i] = as_broadcast(a, P)
-        key[i + 1] = flat[i]._spec
+        key[first + i] = flat[i]._spec
     gpos[:] = sorted([*gpos, *positions])
 
 

@@ -306,7 +306,12 @@ class GlobalTensor(torch.Tensor):
         A global `src` laid out alike is copied local to local without dispatch (compiled
         graphs write back every BatchNorm buffer so, ~150 per mobilenet_v2 step)."""
         recorded = torch.is_grad_enabled() and (self.requires_grad or src.requires_grad)
-        if type(src) is GlobalTensor and src._spec == self._spec and not recorded:
+        if (
+            type(src) is GlobalTensor
+            and src._spec == self._spec
+            and not recorded
+            and self._copy_of is None  # (a copied view's write goes on to its base)
+        ):
             local, other = self._local, src._local
             if (
                 type(local) is torch.Tensor

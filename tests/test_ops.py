@@ -783,3 +783,34 @@ def test_boolean_mask_indexing_equals_one_process(pool2):
             torch.testing.assert_close(grad, xr.grad, rtol=1e-12, atol=1e-12)
             if xs == S1:
                 assert rows_sbp == (S1,)
+
+
+def _calls_alike_when_flattened():
+    """Calls whose flat arguments compare equal: `sum(x, [0], True)` and `sum(x, [0, 1])`
+    (True == 1), `add(b, True)` and `add(b, 1)` of a bool tensor."""
+    P = sbp.placement("cpu", [0, 1])
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    x = sbp.tensor(x0, placement=P, sbp=S0)
+    b = sbp.tensor(x0 > 0, placement=P, sbp=S0)
+    outs = [x.sum(0, keepdim=True), x.sum([0, 1]), torch.linalg.vector_norm(x), b + True, b + 1]
+    return [(tuple(o.shape), o.dtype, o.full_tensor()) for o in outs]
+
+
+def test_decisions_of_calls_alike_when_flattened_are_kept_apart(pool2):
+    """The decision cache keyed the arguments flattened, booleans equal to integers: the
+    vector norm after `x.sum(0, keepdim=True)` took its (1, 6) shape (and clip_grad_norm_
+    on split and broadcast gradients failed in torch.stack)."""
+    x0 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    b0 = x0 > 0
+    want = [
+        x0.sum(0, keepdim=True),
+        x0.sum([0, 1]),
+        torch.linalg.vector_norm(x0),
+        b0 + True,
+        b0 + 1,
+    ]
+    for outs in pool2.run(_calls_alike_when_flattened):
+        for (shape, dtype, got), w in zip(outs, want, strict=True):
+            assert shape == tuple(w.shape) and dtype == w.dtype
+            torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)

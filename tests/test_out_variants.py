@@ -97,3 +97,21 @@ def test_out_variant_equals_one_process(case, layouts, world, request):
             )
             if keep is not None:
                 assert layout == (keep,)
+
+
+def _cast_refused():
+    placement = sbp.placement("cpu", [0, 1])
+    a = sbp.tensor(torch.arange(6).reshape(3, 2), placement=placement, sbp=S0)
+    c = sbp.tensor(torch.zeros(3, 2, dtype=torch.long), placement=placement, sbp=S0)
+    try:
+        torch.div(a, 7, out=c)  # (a float result into an integer out: torch refuses)
+    except sbp.SbpError as e:
+        return type(e).__name__, str(e), c.full_tensor()
+    return None, "", c.full_tensor()
+
+
+def test_an_out_of_a_type_the_result_cannot_be_cast_to_is_refused_on_every_rank(pool2):
+    for name, message, c in pool2.run(_cast_refused):
+        assert name == "InputTypeError"
+        assert "can't be cast to out's type torch.int64" in message
+        assert not c.any()

@@ -175,3 +175,30 @@ def test_2d_placement_mlp_with_split_weights_equals_one_process(pool4, opt_name)
         assert grads == sbps  # each leaf's gradient arrives in the leaf's sbp
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-9
         assert _relative(params, ref_params) < 1e-9
+
+
+def _clipped(make, foreach):
+    """Gradients of split and broadcast parameters (one expanded: `.sum()`'s), clipped."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 6), (6,), (3,))]
+    ps = [make(v, layout).requires_grad_() for v, layout in zip(values, (S0, B, B), strict=True)]
+    ((ps[0] * ps[1]).pow(2).sum() + 3.0 * ps[2].sum()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(ps, 0.5, foreach=foreach)
+    return [norm] + [p.grad for p in ps]
+
+
+def _clipped_global(foreach):
+    P = sbp.placement("cpu", [0, 1])
+    got = _clipped(lambda t, layout: sbp.tensor(t, placement=P, sbp=layout), foreach)
+    return [t.full_tensor() for t in got]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_clip_grad_norm_of_split_broadcast_and_expanded_gradients(pool2, foreach):
+    """clip_grad_norm_ failed on split with broadcast gradients (a decision-cache collision
+    gave a norm the wrong shape) and on an expanded one (`p.sum()`'s gradient kept stride 0:
+    "more than one element of the written-to tensor refers to a single memory location")."""
+    want = _clipped(lambda t, layout: t.clone(), foreach)
+    for got in pool2.run(_clipped_global, foreach):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -96,6 +96,13 @@ def _index_put_keeps_split(make):
     return [x]
 
 
+def _copy_into_copied_views(make):
+    h = make(_logical(SHAPE, 0), S0)
+    h[3].copy_(h[0] * 10.0)  # (a select across the split: a copy, in the source's layout)
+    torch.mul(h[1], 10.0, out=h[2])
+    return [h]
+
+
 CASES = [
     (_slice_of_broadcast_gets_split, [B]),
     (_slice_across_split, [S1]),
@@ -108,6 +115,7 @@ CASES = [
     (_write_back_partial, [P, P]),
     (_partial_plus_broadcast, [P, B]),
     (_index_put_keeps_split, [S0]),
+    (_copy_into_copied_views, [S0]),
 ]
 
 

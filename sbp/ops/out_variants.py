@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from sbp.errors import InputTypeError
 from sbp.ops.inplace_views import become
 from sbp.ops.registry import register_when
 
@@ -38,7 +39,12 @@ def out_variant(func, args: tuple, kwargs: dict) -> Any:
     results = func.overloadpacket(*args, **rest)
     if isinstance(results, torch.Tensor):
         results = (results,)
-    for out, result in zip(outs, results, strict=True):
+    for name, out, result in zip(names, outs, results, strict=True):
+        if not torch.can_cast(result.dtype, out.dtype):
+            raise InputTypeError(
+                f"{func}: the result type {result.dtype} can't be cast to {name}'s type "
+                f"{out.dtype}, as torch's out= would not"
+            )
         if tuple(out.shape) == tuple(result.shape):
             out.copy_(result)
         else:

@@ -276,14 +276,15 @@ def formula_buffer(func, a: torch.Tensor) -> bool:
     )
 
 
-def scan(func, flat: list) -> tuple[tuple, list[int]]:
+def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
     """One pass over the arguments: check placements, find the global tensors, and build the
     decision-cache key (everything but floats and tensor values, so per-step scalars such as
     a learning rate never miss the cache). Mixing global and local tensors, or placements, is
-    an error naming the op."""
+    an error naming the op. The key holds the arguments' `tree` (`sum(x, [0], True)` and
+    `sum(x, [0, 1])` flatten alike) and tells booleans from the integers equal to them."""
     GT = _global_type()
     placement = None
-    key: list = [func]
+    key: list = [func, tree]
     gpos: list[int] = []
     implicit: list[int] = []  # local tensors taken as broadcast under implicit_replication()
     for i, a in enumerate(flat):
@@ -321,6 +322,8 @@ def scan(func, flat: list) -> tuple[tuple, list[int]]:
             key.append(("t", tuple(a.shape), a.dtype))
         elif type(a) is float:
             key.append(float)
+        elif type(a) is bool:
+            key.append((bool, a))
         else:
             key.append(a)
     if implicit:
@@ -382,7 +385,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             observers[-1].custom(func, args)
         return _resolved[func](func, args, kwargs)
     flat, tree = flatten(args, kwargs)
-    key, gpos = scan(func, flat)
+    key, gpos = scan(func, flat, tree)
     d = _cache.get(key)
     if d is not None:
         _cache.move_to_end(key)  # least recently used goes first
