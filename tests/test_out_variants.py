@@ -69,6 +69,12 @@ def _sum_over_a_split_dim(make):
     return [c]
 
 
+def _factory_in_the_out_s_dtype(make):
+    c = make(torch.zeros(10, dtype=F64), S0)
+    torch.arange(0, 1, 0.1, out=c)  # (drawn as float32 first, it was 1e-8 off)
+    return [c]
+
+
 CASES = [
     (_pointwise_into_a_split_out, [S0]),
     (_out_in_another_layout, [S1]),
@@ -76,6 +82,7 @@ CASES = [
     (_two_outs, [S0, S0]),
     (_cat_and_a_wider_dtype, [B, S1]),
     (_sum_over_a_split_dim, [B]),
+    (_factory_in_the_out_s_dtype, [S0]),
 ]
 
 

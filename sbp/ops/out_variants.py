@@ -36,6 +36,8 @@ def out_variant(func, args: tuple, kwargs: dict) -> Any:
     names = _out_names(func)
     outs = [kwargs[name] for name in names]
     rest = {k: v for k, v in kwargs.items() if k not in names}
+    if _made_from_nothing(func, args):  # (a factory: `torch.randn(n, out=x)` draws in x's dtype)
+        rest.setdefault("dtype", outs[0].dtype)
     results = func.overloadpacket(*args, **rest)
     if isinstance(results, torch.Tensor):
         results = (results,)
@@ -50,3 +52,16 @@ def out_variant(func, args: tuple, kwargs: dict) -> Any:
         else:
             become(out, result.to(out.dtype))
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _made_from_nothing(func, args: tuple) -> bool:
+    """Is `func` a factory (no tensor among its arguments) whose functional form takes a
+    dtype? Its default dtype would differ from `out`'s."""
+    if any(isinstance(a, torch.Tensor) for a in args):
+        return False
+    packet = func.overloadpacket
+    return any(
+        a.name == "dtype"
+        for name in packet.overloads()
+        for a in getattr(packet, name)._schema.arguments
+    )
