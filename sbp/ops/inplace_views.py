@@ -16,7 +16,7 @@ import torch
 from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError, SbpSignatureError
-from sbp.ops.registry import register
+from sbp.ops.registry import _global_type, register
 from sbp.ops.writes import as_shown
 from sbp.signature import Split, broadcast
 
@@ -31,12 +31,6 @@ _VIEW_OF = {
     aten.squeeze_.dims: aten.squeeze.dims,
     aten.as_strided_.default: aten.as_strided.default,
 }
-
-
-def _global_type():
-    from sbp.tensor import GlobalTensor
-
-    return GlobalTensor
 
 
 def become(x, view) -> Any:

@@ -8,6 +8,7 @@ the shapes differ (torch resizes `out` then) `out` becomes the result.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,19 +17,11 @@ from sbp.errors import InputTypeError
 from sbp.ops.inplace_views import become
 from sbp.ops.registry import register_when
 
-_written: dict = {}
 
-
+@functools.cache
 def _out_names(func) -> tuple[str, ...]:
-    """The keyword-only arguments `func` writes its results into (cached)."""
-    names = _written.get(func)
-    if names is None:
-        names = _written[func] = tuple(
-            a.name
-            for a in func._schema.arguments
-            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
-        )
-    return names
+    """The arguments `func` writes its results into."""
+    return tuple(a.name for a in func._schema.arguments if a.is_out)
 
 
 @register_when(lambda func: bool(_out_names(func)), first=True)
@@ -57,9 +50,11 @@ def out_variant(func, args: tuple, kwargs: dict) -> Any:
 def _made_from_nothing(func, args: tuple) -> bool:
     """Is `func` a factory (no tensor among its arguments) whose functional form takes a
     dtype? Its default dtype would differ from `out`'s."""
-    if any(isinstance(a, torch.Tensor) for a in args):
-        return False
-    packet = func.overloadpacket
+    return not any(isinstance(a, torch.Tensor) for a in args) and _takes_dtype(func.overloadpacket)
+
+
+@functools.cache
+def _takes_dtype(packet) -> bool:
     return any(
         a.name == "dtype"
         for name in packet.overloads()

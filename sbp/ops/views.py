@@ -112,12 +112,6 @@ def transpose(call: Call) -> list[Strategy]:
     return mapped([(a, order.index(a)) for a in range(ndim)], 1)
 
 
-@register_strategy(aten.unsqueeze)
-def unsqueeze(call: Call) -> list[Strategy]:
-    in_shape, out_shape = call.specs[0].shape, call.out_meta[0][0]
-    return mapped(kept_dims(in_shape, out_shape), 1)
-
-
 def _shard_shaped(func, args, kwargs, outs, in_specs, out_specs):
     """A shard of one row along a dim the logical tensor keeps is a local dim of size one,
     which the local squeeze removes too: view each rank's result as its shard."""
@@ -125,7 +119,12 @@ def _shard_shaped(func, args, kwargs, outs, in_specs, out_specs):
     return [outs[0] if tuple(outs[0].shape) == tuple(want) else outs[0].view(want)]
 
 
-register_strategy(aten.squeeze, post=_shard_shaped)(unsqueeze)
+@register_strategy(aten.squeeze, post=_shard_shaped)
+@register_strategy(aten.unsqueeze)
+def squeeze(call: Call) -> list[Strategy]:
+    """Adding or dropping dims of size one keeps every other dim's split."""
+    in_shape, out_shape = call.specs[0].shape, call.out_meta[0][0]
+    return mapped(kept_dims(in_shape, out_shape), 1)
 
 
 @register_strategy(aten.slice, aten.select, aten.narrow)
