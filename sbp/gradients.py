@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 from operator import attrgetter, is_
+from typing import Any
 
 import torch
 
@@ -51,6 +52,17 @@ def local_leaves(inputs: torch.Tensor | Iterable[torch.Tensor]) -> list:
     for owner in list(LEAF_OWNERS):
         tensors = owner.local_leaves(tensors)
     return tensors
+
+
+def leaf_grad_spec(p: torch.Tensor) -> Any:
+    """The layout of a gradient taken at fast-path parameter `p`'s local leaf (by
+    `torch.autograd.grad`): this rank's share of the logical gradient, a partial sum over
+    the ranks splitting the batch; None where `p` has no local leaf."""
+    for owner in list(LEAF_OWNERS):
+        spec = owner.leaf_grad_spec(p)
+        if spec is not None:
+            return spec
+    return None
 
 
 def post_accumulate_hook(leaf: torch.Tensor) -> None:

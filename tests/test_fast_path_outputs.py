@@ -317,6 +317,8 @@ def _backward(loss, params, variant, seen):
         (loss * 0.5).backward(inputs=params[1:3])
     elif variant == "autograd":  # (torch.autograd.backward is not the method)
         torch.autograd.backward([loss])
+    elif variant == "autograd inputs":
+        torch.autograd.backward(loss, inputs=params[1:3])
     return None
 
 
@@ -355,6 +357,7 @@ def _backward_of_loss(world, variant):
         "scaled",
         "scaled inputs",
         "autograd",
+        "autograd inputs",
     ],
 )
 def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
@@ -364,7 +367,8 @@ def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
     op of the loss first take the global loss's own graph. Every way, the gradients (and
     the hook's effect, and the retained gradient) equal one process's. (`inputs` gave the
     parameters no gradient before, of a FastPathLoss or of a loss used first: the global
-    parameters are not in the local graph.)"""
+    parameters are not in the local graph; so did `torch.autograd.backward(loss, inputs=)`
+    until this session.)"""
     torch.manual_seed(0)
     model = Net().double()
     x, y = _data()
@@ -376,7 +380,8 @@ def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
     pool = request.getfixturevalue(f"pool{world}")
     for kind, ops, grads, hooked, grad in pool.run(_backward_of_loss, world, variant):
         assert kind == "FastPathLoss"
-        assert (ops == 0) == (variant in ("plain", "twice", "inputs"))
+        local = ("plain", "twice", "inputs", "autograd", "autograd inputs")
+        assert (ops == 0) == (variant in local)
         assert hooked == bool(seen)
         for g, w in zip(grads, want, strict=True):
             assert (g is None) == (w is None)
@@ -384,3 +389,60 @@ def test_a_loss_s_backward_runs_on_the_local_graph(request, world, variant):
                 _close(g, w)
         if ref_grad is not None:
             _close(grad, ref_grad)
+
+
+def _grads_by_autograd(loss_of, params, variant):
+    """`torch.autograd.grad` of `loss_of()` at `params`: the gradients, and where `variant`
+    is "penalty", the parameters' `.grad` after a backward of the loss plus the squared
+    norm of those gradients (a gradient penalty: create_graph)."""
+    if variant == "grad":
+        return list(torch.autograd.grad(loss_of(), params[1:3])), None
+    if variant == "output":  # (a model's output, given its gradient)
+        out, weight = loss_of(output=True)
+        return list(torch.autograd.grad(out, params[:2], grad_outputs=weight)), None
+    loss = loss_of()
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    (loss + sum((g * g).sum() for g in grads)).backward()
+    return list(grads), [p.grad for p in params]
+
+
+def _autograd_grads(world, variant):
+    P = sbp.placement("cpu", list(range(world)))
+    x, y = _data()
+    torch.manual_seed(0)
+    model = Net().double().to_global(P, B)
+    gx, gy = _global(x, P), _global(y, P)
+    weight = _global(torch.linspace(0, 1, N * CLASSES, dtype=torch.float64).view(N, -1), P)
+
+    def loss_of(output=False):
+        return (model(gx), weight) if output else F.cross_entropy(model(gx), gy)
+
+    grads, after = _grads_by_autograd(loss_of, list(model.parameters()), variant)
+    layouts = [g.sbp for g in grads]
+    grads = [g.full_tensor() for g in grads]
+    return layouts, grads, None if after is None else [g.full_tensor() for g in after]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("variant", ["grad", "output", "penalty"])
+def test_autograd_grad_at_the_parameters_of_the_fast_path(request, world, variant):
+    """`torch.autograd.grad(loss, params)` of a fast-path loss (or output) gives the
+    logical gradients, as partial sums (each rank's share, summed when used), and a
+    gradient penalty trains as in one process. (It raised "appears to not have been used
+    in the graph" before: the global parameters are in no graph, their local leaves are.)"""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = _data()
+    weight = torch.linspace(0, 1, N * CLASSES, dtype=torch.float64).view(N, -1)
+
+    def loss_of(output=False):
+        return (model(x), weight) if output else F.cross_entropy(model(x), y)
+
+    want, want_after = _grads_by_autograd(loss_of, list(model.parameters()), variant)
+    pool = request.getfixturevalue(f"pool{world}")
+    for layouts, grads, after in pool.run(_autograd_grads, world, variant):
+        assert all(nd == (sbp.partial_sum,) for nd in layouts)
+        for g, w in zip(grads, want, strict=True):
+            _close(g, w.detach())
+        for g, w in zip(after or [], want_after or [], strict=True):
+            _close(g, w)

@@ -1145,13 +1145,21 @@ class DataParallel:
     def local_leaves(self, tensors: list) -> list:
         """`tensors` with each of the module's parameters replaced by its local leaf, where
         the local graph accumulates its gradient (a loss's `backward(inputs=...)`)."""
-        leaves = {} if self._slots is None else self._slots._leaves
-        return [
-            leaves[id(t)][1]
-            if id(t) in leaves and leaves[id(t)][0] is getattr(t, "_local", None)
-            else t
-            for t in tensors
-        ]
+        leaves = map(self._leaf_of, tensors)
+        return [t if leaf is None else leaf for t, leaf in zip(tensors, leaves, strict=True)]
+
+    def leaf_grad_spec(self, p: torch.Tensor) -> GlobalSpec | None:
+        """See `sbp.gradients.leaf_grad_spec`."""
+        if self._leaf_of(p) is None or self._reducer is None:
+            return None
+        return p._spec._replace(nd_sbp=self._reducer.partial_nd)
+
+    def _leaf_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The local leaf standing for parameter `t` in the local runs, or None."""
+        cached = None if self._slots is None else self._slots._leaves.get(id(t))
+        if cached is None or cached[0] is not getattr(t, "_local", None):
+            return None
+        return cached[1]
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
         """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.

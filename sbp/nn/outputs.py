@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from sbp.gradients import PLAIN_GETTERS, local_leaves
+from sbp.gradients import PLAIN_GETTERS, leaf_grad_spec, local_leaves
 from sbp.layout import GlobalSpec
 from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
 from sbp.signature import broadcast, is_all_broadcast, splits_to_partials
@@ -86,6 +86,8 @@ class FastPathOutput(GlobalTensor):
             for a in tree_leaves((args, kwargs)):
                 if type(a) in _FAST_TYPES:
                     _demote(a)
+            if func is _AUTOGRAD_GRAD or func is _AUTOGRAD_BACKWARD:
+                return _through_local_leaves(func, args, kwargs)
             return func(*args, **kwargs)
 
     def __tensor_flatten__(self):
@@ -125,11 +127,60 @@ class FastPathLoss(FastPathOutput):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func is _BACKWARD and _local_backward(args, kwargs or {}):
             return None
+        if func is _AUTOGRAD_BACKWARD:  # (the function: as the method where it can)
+            method = _as_method_call(args, kwargs or {})
+            if method is not None and _local_backward(*method):
+                return None
         return super().__torch_function__(func, types, args, kwargs)
 
 
 _BACKWARD = torch.Tensor.backward
+_AUTOGRAD_BACKWARD, _AUTOGRAD_GRAD = torch.autograd.backward, torch.autograd.grad
 _FAST_TYPES = (FastPathOutput, FastPathLoss)
+
+
+def _as_method_call(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The arguments of `torch.autograd.backward(loss, ...)` as those of `loss.backward(...)`,
+    for one FastPathLoss; else None."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    if isinstance(tensors, (tuple, list)) and len(tensors) == 1:
+        tensors = tensors[0]
+    if type(tensors) is not FastPathLoss or len(args) > 1 or kwargs.get("grad_variables"):
+        return None
+    names = ("retain_graph", "create_graph", "inputs")
+    return (tensors,), {"gradient": kwargs.get("grad_tensors"), **{k: kwargs.get(k) for k in names}}
+
+
+def _through_local_leaves(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`torch.autograd.backward(..., inputs=...)` and `torch.autograd.grad(outputs, inputs)`
+    of fast-path outputs: a fast-path parameter is in no graph, so its local leaf stands
+    for it among the inputs (as in `GlobalTensor.backward`). `grad` returns the gradient
+    at such a leaf as a global tensor: this rank's share, a partial sum over the ranks
+    splitting the batch (differentiable where the local one is: create_graph)."""
+    if func is _AUTOGRAD_BACKWARD:
+        if kwargs.get("inputs") is not None:
+            kwargs = {**kwargs, "inputs": tuple(local_leaves(kwargs["inputs"]))}
+        return func(*args, **kwargs)
+    args, kwargs = list(args), dict(kwargs)
+    where = (args, 1) if len(args) > 1 else (kwargs, "inputs")
+    inputs = where[0][where[1]]
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    leaves = local_leaves(inputs)
+    where[0][where[1]] = tuple(leaves)
+    grads = func(*args, **kwargs)
+    return tuple(
+        g if leaf is t or g is None else _leaf_grad_as_global(g, t)
+        for g, leaf, t in zip(grads, leaves, inputs, strict=True)
+    )
+
+
+def _leaf_grad_as_global(grad: torch.Tensor, p: torch.Tensor) -> GlobalTensor:
+    spec = leaf_grad_spec(p)._replace(dtype=grad.dtype)
+    if not grad.requires_grad:
+        return GlobalTensor(grad, spec)
+    # (its gradient, of a partial sum, is whole: broadcast)
+    whole = spec._replace(nd_sbp=(broadcast,) * len(spec.nd_sbp))
+    return ExitLocal.apply(grad, spec, whole, None, GlobalTensor)
 
 
 def _local_backward(args: tuple, kwargs: dict) -> bool:
