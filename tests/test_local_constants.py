@@ -3,6 +3,7 @@ single-process torch on the logical tensors, and their checking mode."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sbp
@@ -204,3 +205,55 @@ def test_stochastic_depth_runs_under_global_mode(pool2):
     kept = (out != 0).all(1)
     assert ((out == 0).all(1) | kept).all() and kept.any() and not kept.all()  # whole rows
     torch.testing.assert_close(out[kept], x[kept] * 2)  # kept rows scaled by 1 / (1 - p)
+
+
+# torch functions whose C++ makes a local constant on global inputs: (x, y, classes) -> out
+_CXX_CONSTANTS = {
+    "cosine_similarity": lambda x, y, c: torch.nn.functional.cosine_similarity(x, y),
+    "one_hot": lambda x, y, c: torch.nn.functional.one_hot(c, 5).double() * x,
+    "interpolate": lambda x, y, c: torch.nn.functional.interpolate(x.unsqueeze(1), scale_factor=2),
+    "quantile": lambda x, y, c: torch.quantile(x, 0.3, dim=1),
+}
+
+
+def _cxx_constants_data():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g)
+    return (
+        x,
+        torch.randn(6, 5, dtype=torch.float64, generator=g),
+        torch.randint(0, 5, (6,), generator=g),
+    )
+
+
+def _cxx_constants(name, mode, layout):
+    P_ = sbp.placement("cpu", [0, 1])
+    x, y, c = (sbp.tensor(t, placement=P_, sbp=layout) for t in _cxx_constants_data())
+    x.requires_grad_()
+    f = _CXX_CONSTANTS[name]
+    try:
+        f(x, y, c)
+        error = None
+    except sbp.PlacementError as e:
+        error = str(e)
+    inside = sbp.implicit_replication() if mode == "implicit" else sbp.global_mode(P_)
+    with inside:
+        out = f(x, y, c)
+        out.sum().backward()
+    return error, out.full_tensor(), x.grad.full_tensor()
+
+
+@pytest.mark.parametrize("layout", [S0, B], ids=["S0", "B"])
+@pytest.mark.parametrize("mode", ["implicit", "global_mode"])
+@pytest.mark.parametrize("name", sorted(_CXX_CONSTANTS))
+def test_functions_making_constants_in_cxx_run_inside_the_modes(pool2, name, mode, layout):
+    """Outside the modes, a named error (the constant is local); inside, one process's
+    values and gradients (docs/api.md, local constants)."""
+    x, y, c = _cxx_constants_data()
+    x.requires_grad_()
+    want = _CXX_CONSTANTS[name](x, y, c)
+    want.sum().backward()
+    for error, out, grad in pool2.run(_cxx_constants, name, mode, layout):
+        assert error is not None and "global_mode" in error
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-14)
