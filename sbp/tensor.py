@@ -456,7 +456,8 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, spec: GlobalSpec, grad_nd: NdSbp):
         ctx.spec, ctx.grad_nd = spec, grad_nd
-        return GlobalTensor(x.detach(), spec)
+        # (a conjugated or negated view is resolved: sbp's kernels would read it as stored)
+        return GlobalTensor(x.detach().resolve_conj().resolve_neg(), spec)
 
     @staticmethod
     def backward(ctx, grad):

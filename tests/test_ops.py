@@ -349,6 +349,46 @@ ROWS = {
         lambda w, i: F.embedding(i, w),
         [(B, S0), (B, S1), (B, B), (S0, S0)],
     ),
+    # rotary embeddings as LLaMA applies them: pairs as complex numbers, times unit phases
+    # (their gradient conjugates: it was read unconjugated, and view_as_* gathered)
+    "rotary_complex": Row(
+        [(5, 3, 8), (3, 4)],
+        lambda x, f: torch.view_as_real(
+            torch.view_as_complex(x.reshape(5, 3, 4, 2)) * torch.polar(torch.ones_like(f), f)
+        ).flatten(-2),
+        [(S0, B), (S1, S0), (S2, B), (B, B), (P, B)],
+    ),
+    "conjugates": Row(
+        [(5, 4), (5, 4)],
+        lambda a, b: (
+            torch.view_as_real(torch.complex(a, b).conj() * torch.complex(b, a)),
+            torch.view_as_real(torch.complex(a, b).conj().exp()),
+            (torch.complex(a, b).conj() + 1).abs(),
+        ),
+        [(S0, S0), (S1, B), (B, B)],
+    ),
+    # torch.where with a number, which torch's C++ makes a 0-dim tensor (a PlacementError)
+    "where_number": Row(
+        [(5, 4)],
+        lambda x: (torch.where(x > 0, x, 0.5), torch.where(x > 0, 2.0, x), x.where(x < 1, -1)),
+        [(S0,), (S1,), (B,)],
+    ),
+    # backward formulas joining local constants to gradients (a PlacementError)
+    "prod_trace": Row(
+        [(5, 4)],
+        lambda x: (x.prod(), x.prod(1), x.prod(0), torch.trace(x)),
+        [(S0,), (S1,), (B,)],
+    ),
+    # factorizations check their error codes in an op that returns nothing (a ValueError)
+    "factorizations": Row(
+        [(4, 4)],
+        lambda x: (
+            torch.linalg.inv(x @ x.mT + 4 * torch.ones_like(x).tril().triu()),
+            torch.linalg.cholesky(x @ x.mT + 4 * torch.ones_like(x).tril().triu()),
+            torch.linalg.solve(x @ x.mT + 4 * torch.ones_like(x).tril().triu(), x),
+        ),
+        [(S0,), (S1,), (B,)],
+    ),
 }
 
 

@@ -20,6 +20,23 @@ def same_layout(func, args, kwargs):
     return GlobalTensor(func(g._local, *args[1:], **kwargs), g._spec)
 
 
+@register(aten._conj.default, aten._neg_view.default)
+def resolved_view(func, args, kwargs):
+    """`z.conj()` (and the negative view autograd makes of complex gradients): torch marks
+    a view conjugated (negated) and resolves it in the kernels of the ops that read it, a
+    step that runs above sbp's dispatch, so a local tensor marked so would be read as it
+    is stored. The local value is resolved at once instead; the result is a copied view
+    (sbp.ops.writes) that refuses in-place writes rather than miss its base."""
+    from sbp.ops.writes import as_shown
+    from sbp.tensor import GlobalTensor
+
+    g = args[0]
+    local = g._local.conj_physical() if func is aten._conj.default else g._local.neg()
+    out = GlobalTensor(local, g._spec)
+    out._copy_of = (as_shown(g), None)
+    return out
+
+
 # allocations whose value is zero or undefined: a partial sum of them is one too
 _PARTIAL_ALLOCS = frozenset(
     (

@@ -57,3 +57,10 @@ def bmm(call: Call) -> list[Strategy]:
         Strategy((P, B), (P,)),
         Strategy((B, P), (P,)),
     ]
+
+
+@register_strategy(aten._linalg_check_errors)
+def linalg_check_errors(call: Call) -> list[Strategy]:
+    """The error codes of a factorization (`linalg.inv`, `cholesky`, `solve`), read whole on
+    every rank: a singular matrix raises on every rank, not only where its code lies."""
+    return [Strategy((B,), ())]

@@ -185,13 +185,23 @@ def unflatten(leaves: list, spec: tuple) -> tuple[tuple, dict]:
     return tuple(args), dict(zip(keys, leaves[i:], strict=True))
 
 
-def flatten_outputs(out: Any) -> tuple[list, Any]:
+# The output tree of an op that returns nothing (`aten._linalg_check_errors`): its local
+# call returns None, its global one too.
+NO_RETURNS = (tuple, 0)
+
+
+def flatten_outputs(out: Any, spec: Any = None) -> tuple[list, Any]:
+    """The output leaves of a local call, and their tree (`spec`: the op's, where known)."""
+    if spec == NO_RETURNS:
+        return [], spec
     if type(out) is list or type(out) is tuple:
         return list(out), (type(out), len(out))
     return [out], None
 
 
 def unflatten_outputs(leaves: list, spec: Any) -> Any:
+    if spec == NO_RETURNS:
+        return None
     return leaves[0] if spec is None else spec[0](leaves)
 
 
@@ -250,20 +260,31 @@ def _inside_optimizer_step() -> bool:
     return False
 
 
+# Ops whose Python-number operands torch's C++ wraps into 0-dim tensors before they reach
+# sbp (`torch.where(c, x, 0.0)`, and the `where` inside `logdet`): a 0-dim local tensor
+# there is a number the caller wrote, as in `x + 0.5`.
+NUMBER_OPERAND_OPS = frozenset({torch.ops.aten.where.self})
+
+
 def trusted_constant(func) -> bool:
     """May a 0-dim local tensor join global ones in `func`? In torch's backward formulas
-    (0-dim zeros in clamp's, say), in LOCAL_STATE_OPS and inside an optimizer's step."""
+    (0-dim zeros in clamp's, say), in LOCAL_STATE_OPS and NUMBER_OPERAND_OPS and inside
+    an optimizer's step."""
     return (
         torch._C._current_graph_task_id() >= 0
         or func.overloadpacket in LOCAL_STATE_OPS
+        or func in NUMBER_OPERAND_OPS
         or _inside_optimizer_step()
     )
 
 
-# Ops into which torch's backward formulas scatter a gradient, into a buffer they make as a
-# local tensor of the logical shape (zeros, in max.dim's backward in torch 2.11; 2.14's
-# makes it from the gradient, a global tensor).
-FORMULA_BUFFER_OPS = frozenset({torch.ops.aten.scatter})
+# Ops into which torch's backward formulas put a gradient together with a local tensor
+# they make from shapes alone: a buffer of the logical shape that a gradient is scattered
+# or filled into (zeros, in max.dim's backward in torch 2.11; trace's flat zeros and
+# diagonal indices), or ones joined to the input (prod's exclusive cumulative products).
+FORMULA_BUFFER_OPS = frozenset(
+    {torch.ops.aten.scatter, torch.ops.aten.index_fill, torch.ops.aten.cat}
+)
 
 
 def formula_buffer(func, a: torch.Tensor) -> bool:
@@ -601,7 +622,7 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
                 out, copied = local_view(func, largs, lkwargs)
             else:
                 out = func(*largs, **lkwargs)
-            leaves, _ = flatten_outputs(out)
+            leaves, _ = flatten_outputs(out, d.out_tree)
             if rule.post is not None:
                 args, kwargs = unflatten(flat, tree)
                 leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)

@@ -18,6 +18,7 @@ from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
     Call,
     Strategy,
+    local_view,
     rebox,
     register,
     register_strategy,
@@ -298,6 +299,41 @@ def _meta_index(index, local: torch.Tensor) -> torch.Tensor:
     """An integer index for finding the output's shape, by its logical shape (a rank outside
     the placement holds none)."""
     return torch.empty(tuple(index.shape), dtype=local.dtype, device="meta")
+
+
+_COMPLEX_DTYPES = {
+    torch.float64: torch.complex128,
+    torch.float32: torch.complex64,
+    torch.float16: torch.complex32,
+}
+
+
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def complex_view(func, args, kwargs):
+    """`view_as_complex` folds the last dim (its pairs) into complex numbers, `view_as_real`
+    unfolds them: every other dim keeps its split, and partial sums stay (both are linear).
+    Only a split of the folded pairs' dim is gathered first. The local view of a local
+    tensor whose pairs are not adjacent in memory (an expanded gradient) is taken of a
+    contiguous copy (`local_view`), as for a reshape."""
+    from sbp.ops.writes import mark_view
+    from sbp.tensor import GlobalTensor
+
+    g = args[0]
+    spec = g._spec
+    to_complex = func is aten.view_as_complex.default
+    folded = len(spec.shape) - 1 if to_complex else None
+    x = rebox(g, [broadcast if s.is_split and s.dim == folded else s for s in spec.nd_sbp])
+    if to_complex:
+        shape, dtype = spec.shape[:-1], _COMPLEX_DTYPES.get(spec.dtype, spec.dtype)
+    else:
+        shape, dtype = (*spec.shape, 2), spec.dtype.to_real()
+    out_spec = x._spec._replace(shape=tuple(shape), dtype=dtype)
+    if env.get_rank() not in spec.placement:
+        return GlobalTensor(empty_local(out_spec), out_spec)
+    local, copied = local_view(func, (x._local,), {})
+    out = GlobalTensor(local, out_spec)
+    mark_view(func, args, kwargs, [out], x is not g, copied)
+    return out
 
 
 @register(aten.index.Tensor)
