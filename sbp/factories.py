@@ -40,13 +40,21 @@ def _device_of(placement: Any) -> torch.device:
 
 
 def from_logical(
-    value: torch.Tensor, placement: Placement, sbp: Any, requires_grad: bool = False
+    value: torch.Tensor,
+    placement: Placement,
+    sbp: Any,
+    requires_grad: bool = False,
+    checked: bool = False,
 ) -> GlobalTensor:
-    """A global tensor whose logical value is `value` (the same on every rank)."""
+    """A global tensor whose logical value is `value` (the same on every rank). Ranks that
+    ask for different layouts (a rank-dependent `sbp=`) raise `MetaMismatchError` on every
+    rank, as a re-box does (`agreement.check_rebox`; `checked`: the caller did)."""
     _device_of(placement)
     nd = normalize_nd_sbp(sbp, placement.ndim, value.dim())
     all_b = GlobalSpec(placement, (broadcast,) * placement.ndim, tuple(value.shape), value.dtype)
     target = all_b._replace(nd_sbp=nd)
+    if not checked:
+        agreement.check_rebox(all_b, target, requires_grad, what="a factory's layout")
     local = value if env.get_rank() in placement else value.new_empty(0)
     out = GlobalTensor(box(local, all_b, target).detach(), target)
     if requires_grad:
@@ -79,7 +87,7 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
         error = e
     with stats.paused():  # a check of the arguments, not a collective of the tensor's
         comm.exchange(description, agreement.world(), what="sbp.tensor data", error=error)
-    return from_logical(value.clone(), placement, sbp, requires_grad)
+    return from_logical(value.clone(), placement, sbp, requires_grad, checked=True)
 
 
 def _factory(fn):

@@ -200,6 +200,24 @@ def test_ranks_disagreeing_on_a_rebox(pool, what):
     _expect_error(pool, _rebox_disagrees, sbp.MetaMismatchError, what, match="re-box")
 
 
+def _factory_disagrees(rank, world, what):
+    """A factory given a rank-dependent argument (a shape no other case makes, so no rank
+    has checked it before): the split one summed wrong silently, the broadcast one hung."""
+    size = (world + 3, 5)
+    if what == "split":
+        layout = sbp.split(1) if rank == 0 else sbp.split(0)
+    elif what == "broadcast":
+        layout = sbp.broadcast if rank == 0 else sbp.split(0)
+    else:
+        layout, size = sbp.split(0), (world + 3, 5 + (rank == 0))
+    return (sbp.ones(size, placement=_all(world), sbp=layout) * 2).sum().item()
+
+
+@pytest.mark.parametrize("what", ["split", "broadcast", "shape"])
+def test_ranks_disagreeing_on_a_factory_s_layout(pool, what):
+    _expect_error(pool, _factory_disagrees, sbp.MetaMismatchError, what, match="factory")
+
+
 def _requires_grad_disagrees(rank, world):
     x = torch.ones(2, requires_grad=rank == 0)
     return sbp.to_global(x, _all(world), sbp.split(0))

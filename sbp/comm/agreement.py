@@ -38,7 +38,9 @@ def raise_everywhere(error: BaseException, what: str = "to_global") -> None:
     raise error  # a world of one
 
 
-def check_rebox(src: object, dst: object, requires_grad: bool, local=None) -> None:
+def check_rebox(
+    src: object, dst: object, requires_grad: bool, local=None, what: str = "a re-box (to_global)"
+) -> None:
     """Every rank re-boxes the same (src -> dst) with the same `requires_grad` (see MODE).
 
     What was seen is kept per rank set: every member of a set meets the same conversions in
@@ -60,7 +62,7 @@ def check_rebox(src: object, dst: object, requires_grad: bool, local=None) -> No
         exchange(
             {"from": repr(src), "to": repr(dst), "requires_grad": requires_grad},
             ranks,
-            what="a re-box (to_global)",
+            what=what,
         )
     seen.add(key)
 
