@@ -18,7 +18,7 @@ from sbp import comm, env
 from sbp import random as sbp_random
 from sbp.boxing.executor import local_device
 from sbp.comm import agreement, stats
-from sbp.errors import InputTypeError, PlacementError, SbpError
+from sbp.errors import InputTypeError, PlacementError, SbpError, SbpSignatureError
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -90,11 +90,23 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
     return from_logical(value.clone(), placement, sbp, requires_grad, checked=True)
 
 
+def _value(fn, args: tuple, placement: Any, sbp: Any, **kw) -> torch.Tensor:
+    """torch's `fn(*args, **kw)` on the placement's device; a bad argument (a dtype given as
+    a string, a negative size, no `sbp=`) raises a named error, alike on every rank."""
+    device = _device_of(placement)
+    if sbp is None:
+        raise SbpSignatureError(f"sbp.{fn.__name__}: sbp= is required (split, broadcast, ...)")
+    try:
+        return fn(*args, device=device, **kw)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+        raise InputTypeError(f"sbp.{fn.__name__}: cannot make the value: {e}") from e
+
+
 def _factory(fn):
-    def make(*size, placement: Placement, sbp: Any, dtype=None, requires_grad: bool = False, **kw):
+    def make(*size, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False, **kw):
         if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
             size = tuple(size[0])
-        value = fn(*size, dtype=dtype, device=_device_of(placement), **kw)
+        value = _value(fn, size, placement, sbp, dtype=dtype, **kw)
         return from_logical(value, placement, sbp, requires_grad)
 
     make.__name__ = fn.__name__
@@ -109,11 +121,13 @@ ones = _factory(torch.ones)
 empty = _factory(torch.empty)
 
 
-def full(size, fill_value, *, placement: Placement, sbp: Any, dtype=None, requires_grad=False):
-    value = torch.full(tuple(size), fill_value, dtype=dtype, device=_device_of(placement))
+def full(
+    size, fill_value, *, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False
+):
+    value = _value(torch.full, (size, fill_value), placement, sbp, dtype=dtype)
     return from_logical(value, placement, sbp, requires_grad)
 
 
-def arange(*args, placement: Placement, sbp: Any, dtype=None, requires_grad=False):
-    value = torch.arange(*args, dtype=dtype, device=_device_of(placement))
+def arange(*args, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False):
+    value = _value(torch.arange, args, placement, sbp, dtype=dtype)
     return from_logical(value, placement, sbp, requires_grad)

@@ -167,12 +167,23 @@ class GlobalTensor(torch.Tensor):
         return _ToLocal.apply(self)
 
     def to_global(
-        self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None
+        self,
+        placement: Placement | None = None,
+        sbp: Any = None,
+        *,
+        grad_sbp: Any = None,
+        shape: Any = None,
     ):
-        """Re-box to another placement and/or sbp (None keeps the current one)."""
+        """Re-box to another placement and/or sbp (None keeps the current one). `shape=`,
+        which a local tensor's `to_global` takes, may be given: it must be the logical one."""
         if placement is not None and not isinstance(placement, Placement):
             raise PlacementError(
                 f"to_global: placement must be an sbp.placement, got {placement!r}"
+            )
+        if shape is not None and check_shape(shape) != self._spec.shape:
+            raise MetaMismatchError(
+                f"to_global: shape={tuple(shape)} of a global tensor of shape "
+                f"{self._spec.shape}; a re-box keeps the logical shape"
             )
         dst = boxing.target_spec(self._spec, placement, sbp)
         dst.placement.check_in_world(env.get_world_size())

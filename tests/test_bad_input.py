@@ -251,6 +251,45 @@ def test_placement_that_is_not_a_placement(pool, case, placement):
     _expect_error(pool, case, sbp.PlacementError, placement, match="sbp.placement")
 
 
+def _factory_bad_argument(rank, world, what):
+    P = _all(world)
+    if what == "dtype string":
+        return sbp.ones(2, 3, placement=P, sbp=sbp.broadcast, dtype="float32")
+    if what == "negative size":
+        return sbp.zeros(-1, 3, placement=P, sbp=sbp.split(0))
+    if what == "integer randn":
+        return sbp.randn(4, placement=P, sbp=sbp.split(0), dtype=torch.int64)
+    if what == "no sbp":
+        return sbp.full((2,), 1.0, placement=P)
+    g = sbp.to_global(torch.ones(world, 3), P, sbp.split(0))
+    return g.to_global(sbp=sbp.broadcast, shape=(world + 1, 3))
+
+
+@pytest.mark.parametrize(
+    "what, error, match",
+    [
+        ("dtype string", sbp.InputTypeError, "sbp.ones"),
+        ("negative size", sbp.InputTypeError, "sbp.zeros"),
+        ("integer randn", sbp.InputTypeError, "sbp.randn"),
+        ("no sbp", sbp.SbpSignatureError, "sbp= is required"),
+        ("shape of a global", sbp.MetaMismatchError, "shape="),
+    ],
+)
+def test_factory_and_rebox_arguments_raise_named_errors(pool, what, error, match):
+    """torch's TypeError, RuntimeError and NotImplementedError before."""
+    _expect_error(pool, _factory_bad_argument, error, what, match=match)
+
+
+def _global_given_its_shape(rank, world):
+    g = sbp.to_global(torch.ones(world, 3), _all(world), sbp.split(0))
+    return world, tuple(g.to_global(sbp=sbp.broadcast, shape=(world * world, 3)).to_local().shape)
+
+
+def test_a_global_tensor_s_to_global_takes_its_own_shape(pool):
+    for world, shape in _expect_values(pool, _global_given_its_shape):
+        assert shape == (world * world, 3)  # (broadcast: the whole logical tensor)
+
+
 def _cuda_without_gpu(rank, world, how):
     P = sbp.placement("cuda", list(range(world)))
     if how == "factory":
