@@ -315,8 +315,12 @@ class GlobalTensor(torch.Tensor):
         """A plain `src` (not 0-dim) is the logical value, the same on every rank: each rank
         copies its own part, no communication. So `model.load_state_dict(plain_sd)` works.
         A global `src` laid out alike is copied local to local without dispatch (compiled
-        graphs write back every BatchNorm buffer so, ~150 per mobilenet_v2 step)."""
+        graphs write back every BatchNorm buffer so, ~150 per mobilenet_v2 step). A global
+        `src` on another placement is moved to this one first, as OneFlow's copy_ and torch's
+        across devices do."""
         recorded = torch.is_grad_enabled() and (self.requires_grad or src.requires_grad)
+        if type(src) is GlobalTensor and src._spec.placement != self._spec.placement:
+            src = src.to_global(placement=self._spec.placement, sbp=self._spec.nd_sbp)
         if (
             type(src) is GlobalTensor
             and src._spec == self._spec

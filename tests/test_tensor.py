@@ -280,3 +280,41 @@ def test_a_rebinding_counts_for_watched_global_tensors_only(pool1):
     assert all(c >= 1 for c in counts[1:5])
     assert counts[5:] == [0, 0]
     assert a_watched
+
+
+def _copy_across_placements(dst_ranks, dst_nd, src_ranks, src_nd):
+    """x.copy_(y) with y on another placement (OneFlow's test_global_tensor.test_copy:
+    a PlacementError before), a cast, and the gradient back to y."""
+    value = torch.arange(30.0, dtype=torch.float64).reshape(5, 6)
+    x = sbp.zeros(5, 6, placement=sbp.placement("cpu", dst_ranks), sbp=dst_nd, dtype=torch.float32)
+    y = sbp.tensor(value, sbp.placement("cpu", src_ranks), src_nd, requires_grad=True)
+    x.copy_(y * 2)
+    (
+        x * torch.linspace(0, 1, 6, dtype=torch.float32).to_global(x.placement, (B,) * len(x.sbp))
+    ).sum().backward()
+    me = sbp.env.get_rank()
+    full = x.full_tensor() if me in x.placement else None
+    grad = y.grad.full_tensor() if me in y.placement else None
+    return tuple(x.sbp), x.placement.ranks, x.dtype, full, grad
+
+
+@pytest.mark.parametrize(
+    "dst_ranks, dst_nd, src_ranks, src_nd",
+    [
+        ([0, 1], (B,), [0], (B,)),
+        ([0, 1], (S0,), [2, 3], (S1,)),
+        ([3, 1, 2], (S1,), [0, 1, 2, 3], (P,)),
+        ([[0, 1], [2, 3]], (S0, B), [1, 3], (S0,)),
+    ],
+)
+def test_copy_from_another_placement(pool4, dst_ranks, dst_nd, src_ranks, src_nd):
+    value = torch.arange(30.0, dtype=torch.float64).reshape(5, 6)
+    want_grad = (2 * torch.linspace(0, 1, 6, dtype=torch.float32)).double().expand(5, 6)
+    for nd, ranks, dtype, full, grad in pool4.run(
+        _copy_across_placements, dst_ranks, dst_nd, src_ranks, src_nd
+    ):
+        assert nd == dst_nd and ranks == dst_ranks and dtype == torch.float32
+        if full is not None:  # (ranks of the placement hold it)
+            torch.testing.assert_close(full, (value * 2).float(), rtol=0, atol=0)
+        if grad is not None:
+            torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-7)
