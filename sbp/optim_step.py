@@ -79,6 +79,8 @@ def _prefer_foreach(group: dict) -> None:
         and group["foreach"] is None
         and not group.get("fused")
         and not group.get("differentiable")
+        # (torch's foreach step refuses a tensor lr unless capturable; its loop takes one)
+        and not (isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"))
         and group["params"]
         and all(map(is_, map(type, group["params"]), repeat(GlobalTensor)))
     ):

@@ -312,7 +312,7 @@ class GlobalTensor(torch.Tensor):
         return checkpoint.reduce_global_tensor(self)
 
     def copy_(self, src: torch.Tensor, non_blocking: bool = False):
-        """A plain `src` (not 0-dim) is the logical value, the same on every rank: each rank
+        """A plain `src` (a 0-dim one too) is the logical value, the same on every rank: each rank
         copies its own part, no communication. So `model.load_state_dict(plain_sd)` works.
         A global `src` laid out alike is copied local to local without dispatch (compiled
         graphs write back every BatchNorm buffer so, ~150 per mobilenet_v2 step). A global
@@ -337,7 +337,7 @@ class GlobalTensor(torch.Tensor):
                 torch.autograd.graph.increment_version(self)
                 forget_range(self)
                 return self
-        if isinstance(src, torch.Tensor) and not isinstance(src, GlobalTensor) and src.dim() > 0:
+        if isinstance(src, torch.Tensor) and not isinstance(src, GlobalTensor):
             from sbp import checkpoint
 
             if not recorded:
@@ -372,10 +372,14 @@ else:
     # (after a graph break: `loss.backward()` making its gradient of ones), Dynamo would
     # break the graph at the wrapper's allocation in `__new__` and resume on a half-made
     # tensor ("GlobalTensor has no attribute '_local'").
-    _set_code_exec_strategy(
+    # So for the wrapper's making: AOT autograd's backward rebuilds its global tensors
+    # (`__tensor_unflatten__`) while a compiled function's frame callback is still on.
+    for _code in (
         GlobalTensor.__torch_dispatch__.__func__.__code__,
-        _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP),
-    )
+        GlobalTensor.__new__.__code__,
+        GlobalTensor.__tensor_unflatten__.__code__,
+    ):
+        _set_code_exec_strategy(_code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 def watch(tensors: Iterable) -> None:

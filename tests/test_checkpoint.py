@@ -371,6 +371,26 @@ def test_full_state_dict_to_one_file_and_back_into_other_sbps(pool4, tmp_path):
             torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
 
 
+def _load_plain_batch_norm():
+    """A plain state dict with BatchNorm's 0-dim `num_batches_tracked` (a PlacementError
+    before: a 0-dim plain source was not taken as the logical value)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).double()
+    plain(torch.randn(5, 4, dtype=torch.float64))
+    plain(torch.randn(5, 4, dtype=torch.float64))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).double()
+    model.to_global(sbp.placement.all("cpu"), B)
+    model.load_state_dict(plain.state_dict())
+    return plain.state_dict(), {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def test_load_a_plain_state_dict_with_batch_norm(pool2):
+    for want, got in pool2.run(_load_plain_batch_norm):
+        assert got["1.num_batches_tracked"].item() == 2
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0)
+
+
 def _copy_plain_into_partial():
     P = sbp.placement("cpu", [[0, 1], [2, 3]])
     x = _logical("s0s1")

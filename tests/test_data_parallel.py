@@ -2101,7 +2101,7 @@ def test_the_fast_path_switched_on_between_steps(request, world):
         assert _rel(got, want) < 1e-12
 
 
-def _compiled_step_training(data, P):
+def _compiled_step_training(data, P, backend="eager"):
     """SGD steps of a function, under torch.compile, that runs the model, the loss and its
     backward (the optimizer's step outside)."""
     import sbp.nn
@@ -2118,7 +2118,7 @@ def _compiled_step_training(data, P):
         loss.backward()
         return loss
 
-    compiled = torch.compile(step, backend="eager")
+    compiled = torch.compile(step, backend=backend)
     for x, y in data:
         if P is not None:
             x, y = _global(x, P), _global(y, P)
@@ -2128,19 +2128,56 @@ def _compiled_step_training(data, P):
     return [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_compiled_function_with_the_backward_inside(request, world):
+def test_a_compiled_function_with_the_backward_inside(request, world, backend):
     """torch.compile of a function holding the model's call, the loss and backward: the
     backward runs after a graph break, where Dynamo compiled sbp's dispatch (a gradient of
-    ones made for the loss) and crashed on a half-made GlobalTensor; it now skips it."""
+    ones made for the loss) and crashed on a half-made GlobalTensor; it now skips it. With
+    AOT autograd, its backward makes global tensors (`__tensor_unflatten__`) there too."""
     data = _data(steps=3)
 
     def run():
         import torch._dynamo
 
         torch._dynamo.reset()
-        return _compiled_step_training(data, sbp.placement("cpu", list(range(world))))
+        P = sbp.placement("cpu", list(range(world)))
+        return _compiled_step_training(data, P, backend)
 
     want = _compiled_step_training(data, None)
     for got in request.getfixturevalue(f"pool{world}").run(run, timeout=600):
         assert _rel(got, want) < 1e-12
+
+
+class _NormedMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.BatchNorm1d(6))
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def _inference_mode_outputs(x, P):
+    torch.manual_seed(0)
+    model = _NormedMLP().double().eval()
+    if P is not None:
+        model.to_global(P, B)
+    with torch.inference_mode():
+        out = model(_global(x, P) if P is not None else x)  # (the input made inside)
+        return out.full_tensor() if P is not None else out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_inference_mode_with_the_input_made_inside(request, world):
+    """The fast path's first call keeps each global input's version to undo its writes;
+    an inference tensor has none ("Inference tensors do not track version counter")."""
+    x = _data(steps=1)[0][0]
+    want = _inference_mode_outputs(x, None)
+
+    def run():
+        return _inference_mode_outputs(x, sbp.placement("cpu", list(range(world))))
+
+    for got in request.getfixturevalue(f"pool{world}").run(run):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

@@ -44,6 +44,8 @@ OPTIMIZERS = {
     # (explicit foreach: torch's two ASGD loops differ by ~1e-10 in float64)
     "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1, foreach=False),
     "asgd-foreach": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1, foreach=True),
+    # (a tensor lr, torch's recipe for compiled steps: its foreach step refuses one)
+    "adamw-tensor-lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2)),
 }
 
 

@@ -619,11 +619,12 @@ class _Undo:
     def __init__(self, buffers: list, args: tuple, kwargs: dict):
         self.buffers = buffers
         self.saved = [b._local.clone() for b in buffers]
-        # (a global tensor's version counts writes; its local's misses those through sbp)
+        # (a global tensor's version counts writes; its local's misses those through sbp;
+        # an inference tensor has none, and no write of it can be undone: none is allowed)
         self.inputs = [
             (a, a._version, a._local.clone())
             for a in (*args, *kwargs.values())
-            if isinstance(a, GlobalTensor)
+            if isinstance(a, GlobalTensor) and not a.is_inference()
         ]
         self.rng = dict(random._state)
 
