@@ -280,6 +280,65 @@ def test_no_collective_is_dropped_from_the_graph(pool2):
         assert gloo not in graphs[0] and small not in graphs[0]
 
 
+def _slice_write(x, rows):
+    x[rows].mul_(3)  # (the rows of one rank: the other uses nothing of the collective)
+    return x * 1
+
+
+def _empty_shard_layer_norm(x, w):
+    h = x @ w  # (1, 5), split(1); LayerNorm boxes it split(0): one rank's shard is empty
+    return F.layer_norm(h, (h.shape[-1],)).pow(2).sum()
+
+
+def _one_rank_collectives(case):
+    """A compiled function where only some ranks use what a collective gives them: each
+    rank's graph must still hold it (rank 0's did, rank 1's lost it: a hang until the
+    timeout, or collectives paired wrongly). Returns values, gradients, collectives."""
+    P = sbp.placement("cpu", [0, 1])
+    backend, graphs = _graph_recorder()
+    sbp.env.init(timeout=30.0)
+    try:
+        if case == "slice write":
+            x = sbp.tensor(torch.arange(36.0, dtype=torch.float64).view(6, 6), P, S0)
+            out = torch.compile(_slice_write, backend=backend, fullgraph=True)(x, slice(1, 3))
+            result, grad = (out.full_tensor(), x.full_tensor()), None
+        else:
+            torch.manual_seed(0)
+            x, w = torch.randn(1, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+            gw = sbp.tensor(w, P, S1).requires_grad_()
+            fn = torch.compile(_empty_shard_layer_norm, backend=backend, fullgraph=True)
+            loss = fn(sbp.tensor(x, P, B), gw)
+            loss.backward()
+            result, grad = loss.full_tensor(), gw.grad.full_tensor()
+    finally:
+        sbp.env.init(timeout=60.0)  # (the pool's own)
+        torch._dynamo.reset()
+    kinds = ("all_to_all", "all_reduce", "all_gather", "broadcast")
+    return result, grad, sum(op.count(k) for op in _ops_in(graphs[0]) for k in kinds)
+
+
+@pytest.mark.parametrize("case", ["slice write", "empty shard"])
+def test_a_collective_only_some_ranks_use_stays_in_every_rank_s_graph(pool2, case):
+    if case == "slice write":
+        x = torch.arange(36.0, dtype=torch.float64).view(6, 6)
+        want = (_slice_write(x, slice(1, 3)).clone(), x)
+    else:
+        torch.manual_seed(0)
+        x, w = torch.randn(1, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+        w.requires_grad_()
+        loss = _empty_shard_layer_norm(x, w)
+        loss.backward()
+        want = loss.detach()
+    runs = pool2.run(_one_rank_collectives, case, timeout=300)
+    assert runs[0][2] == runs[1][2] >= 1  # the same collectives on both ranks
+    for result, grad, _ in runs:
+        if case == "slice write":
+            _close(list(result), list(want))
+        else:
+            _close([result], [want])
+            _close([grad], [w.grad])
+
+
 def _collectives_of_a_step(backend):
     """Collectives sbp.comm runs in a training step of ConvBN (logical BatchNorm) made global
     on all ranks, eagerly or compiled with `backend`, after a first step that compiles."""

@@ -12,7 +12,8 @@ which functionalization turns into plain data flow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch._guards import TracingContext
@@ -45,8 +46,39 @@ def _name(ranks: tuple[int, ...]) -> str:
     return get_group(ranks).group_name
 
 
+# While a conversion is traced (`noting`): the results of its collectives, so far
+_noted: list[list[torch.Tensor]] = []
+
+
+def _note(result: torch.Tensor) -> torch.Tensor:
+    if _noted:
+        _noted[-1].append(result)
+    return result
+
+
+@contextlib.contextmanager
+def noting() -> Iterator[list[torch.Tensor]]:
+    """The results of the collectives traced inside, in a list."""
+    _noted.append([])
+    try:
+        yield _noted[-1]
+    finally:
+        _noted.pop()
+
+
+def tied(out: torch.Tensor, results: list[torch.Tensor]) -> torch.Tensor:
+    """`out`, made to depend on `results` where it is empty. A rank left an empty shard
+    sends its data but uses nothing it receives: a graph that leaves its collectives
+    unused drops them on this rank alone (AOT autograd's partitioner keeps only what the
+    outputs need), and the other ranks wait for them. Empty, the tie costs nothing."""
+    if out.numel() != 0 or not results:
+        return out
+    parts = [out.reshape(-1), *(r.reshape(-1)[:0].to(out.dtype) for r in results)]
+    return torch.cat(parts).reshape(out.shape)
+
+
 def all_reduce(tensor: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.Tensor:
-    return _ops.wait_tensor(_ops.all_reduce(tensor, op, _name(ranks)))
+    return _note(_ops.wait_tensor(_ops.all_reduce(tensor, op, _name(ranks))))
 
 
 # Defined on the dispatcher directly, not with `torch.library.custom_op`: a compiled graph
@@ -71,22 +103,28 @@ def _(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
+# A collective stays in the graph where this rank does not use its result (a write into a
+# slice another rank holds): dead-code elimination would drop it on this rank alone, and
+# the other ranks would wait for it (torch marks `_c10d_functional.wait_tensor` so).
+torch.fx.node.has_side_effect(torch.ops.sbp.small_all_reduce.default)
+
+
 def small_all_reduce(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
     """A small all-reduce that a compiled program runs as an eager call: through shared
     memory between the ranks of one host (`sbp.comm.shm`, ~20 us), where gloo's functional
     collective costs ~0.4-4 ms. Logical BatchNorm makes ~100 of them per step. While
     tracing it is recorded as the op `sbp::small_all_reduce`, which returns its result,
     so the graph keeps it."""
-    return torch.ops.sbp.small_all_reduce.default(tensor, op, ranks)
+    return _note(torch.ops.sbp.small_all_reduce.default(tensor, op, ranks))
 
 
 def all_gather(input: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
     """Equal-sized inputs of all ranks concatenated along dim 0."""
-    return _ops.wait_tensor(_ops.all_gather_into_tensor(input, len(ranks), _name(ranks)))
+    return _note(_ops.wait_tensor(_ops.all_gather_into_tensor(input, len(ranks), _name(ranks))))
 
 
 def reduce_scatter(input: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.Tensor:
-    return _ops.wait_tensor(_ops.reduce_scatter_tensor(input, op, len(ranks), _name(ranks)))
+    return _note(_ops.wait_tensor(_ops.reduce_scatter_tensor(input, op, len(ranks), _name(ranks))))
 
 
 def all_to_all(
@@ -96,9 +134,9 @@ def all_to_all(
     ranks: tuple[int, ...],
 ) -> torch.Tensor:
     out = _ops.all_to_all_single(input, list(output_splits), list(input_splits), _name(ranks))
-    return _ops.wait_tensor(out)
+    return _note(_ops.wait_tensor(out))
 
 
 def broadcast(tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> torch.Tensor:
     """`src` is a global rank; the op wants its index in the group (ascending ranks)."""
-    return _ops.wait_tensor(_ops.broadcast(tensor, sorted(ranks).index(src), _name(ranks)))
+    return _note(_ops.wait_tensor(_ops.broadcast(tensor, sorted(ranks).index(src), _name(ranks))))

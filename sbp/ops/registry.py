@@ -23,7 +23,7 @@ import torch
 
 from sbp import env, local_constants
 from sbp.boxing import plan_specs
-from sbp.comm import stats
+from sbp.comm import functional, stats
 from sbp.errors import PlacementError
 from sbp.layout import GlobalSpec
 from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
@@ -608,7 +608,7 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             None
             if inplace or d.empty_here is None
             else [  # (made afresh, not cloned: while tracing they must be fake tensors)
-                None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                None if t is None else _empty_like(t, [local_flat[i] for i in gpos])
                 for t in d.empty_here
             ]
         )
@@ -661,6 +661,16 @@ def rebox_to(g, spec: GlobalSpec) -> Any:
 def without_partials(g) -> Any:
     """`g` with every partial hierarchy dim reduced to broadcast."""
     return rebox(g, partials_to_broadcast(g._spec.nd_sbp))
+
+
+def _empty_like(t: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """A new empty output shaped as `t`. While tracing it is made from this rank's inputs
+    (as boxed for the op): a graph where it depended on nothing would drop the collectives
+    that boxed them on this rank alone, and the other ranks would wait for them."""
+    if not functional.tracing(inputs[0]):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    parts = [x.reshape(-1)[:0].to(t.dtype) for x in inputs]
+    return torch.cat(parts).reshape(t.shape)
 
 
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
