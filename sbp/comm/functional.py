@@ -103,12 +103,6 @@ def _(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-# A collective stays in the graph where this rank does not use its result (a write into a
-# slice another rank holds): dead-code elimination would drop it on this rank alone, and
-# the other ranks would wait for it (torch marks `_c10d_functional.wait_tensor` so).
-torch.fx.node.has_side_effect(torch.ops.sbp.small_all_reduce.default)
-
-
 def small_all_reduce(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
     """A small all-reduce that a compiled program runs as an eager call: through shared
     memory between the ranks of one host (`sbp.comm.shm`, ~20 us), where gloo's functional

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sbp import env
+from sbp.comm.functional import tracing
 
 aten = torch.ops.aten
 
@@ -210,6 +211,15 @@ def write_part(g, items: list, value: Any) -> None:
     _write_local_part(g, items, value if not any(summed) else 0)
 
 
+def _write_nothing(local: torch.Tensor, value: torch.Tensor) -> None:
+    """Write an empty part of `value` into `local`. Traced, a rank that writes nothing would
+    leave unused the collective that gathered `value`, and the graph would drop it on this
+    rank alone (the other ranks would wait for it); written so, it stays."""
+    hole = local[(slice(0, 0),) * local.dim()]
+    nothing = value[(slice(0, 0),) * value.dim()] if value.dim() else value.reshape(1)[:0]
+    hole.copy_(nothing.reshape(hole.shape))
+
+
 def _write_local_part(g, items: list, value: Any) -> None:
     sizes = [
         len(range(*i.indices(n)))
@@ -220,8 +230,10 @@ def _write_local_part(g, items: list, value: Any) -> None:
     local_index, value_index = [], []
     for item, size, (lo, hi) in zip(items, g.shape, g._spec.ranges(env.get_rank()), strict=True):
         part = _local_part(item, size, lo, hi)
-        if part is None:
-            return  # nothing of the slice lives on this rank
+        if part is None:  # nothing of the slice lives on this rank
+            if tracing(g._local):
+                _write_nothing(g._local, value)
+            return
         local_index.append(part[0])
         if part[1] is not None:
             value_index.append(part[1])
