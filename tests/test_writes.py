@@ -163,21 +163,28 @@ def test_write_into_copied_view_under_autograd(pool2):
         torch.testing.assert_close(got_grad, w.grad, rtol=1e-12, atol=1e-12)
 
 
-def _write_with_no_way_back():
+def _write_with_no_way_back(view):
     placement = sbp.placement("cpu", [0, 1])
     x = sbp.tensor(_logical((4, 4), 0), placement=placement, sbp=S0)
+    if view == "conj":  # (a conjugated view is resolved at once: a copy)
+        x = sbp.tensor(torch.complex(_logical((4, 4), 0), _logical((4, 4), 1)), placement, S0)
+    before = x.full_tensor()
     try:
-        x.diagonal().mul_(2.0)  # (the diagonal of a split matrix is gathered: a copy)
+        if view == "diagonal":
+            x.diagonal().mul_(2.0)  # (the diagonal of a split matrix is gathered: a copy)
+        else:
+            x.conj().mul_(2.0)
     except sbp.SbpError as e:
-        return type(e).__name__, str(e), x.full_tensor()
-    return None, "", x.full_tensor()
+        return type(e).__name__, str(e), x.full_tensor(), before
+    return None, "", x.full_tensor(), before
 
 
-def test_write_into_a_copy_with_no_way_back_is_refused_on_every_rank(pool2):
-    for name, message, x in pool2.run(_write_with_no_way_back):
+@pytest.mark.parametrize("view", ["diagonal", "conj"])
+def test_write_into_a_copy_with_no_way_back_is_refused_on_every_rank(pool2, view):
+    for name, message, x, before in pool2.run(_write_with_no_way_back, view):
         assert name == "SbpSignatureError"
         assert "cannot reach the base" in message
-        torch.testing.assert_close(x, _logical((4, 4), 0))
+        torch.testing.assert_close(x, before, rtol=0, atol=0)
 
 
 def _writes_on_a_2x2_placement(case_name):
