@@ -319,8 +319,13 @@ class GlobalTensor(torch.Tensor):
         `src` on another placement is moved to this one first, as OneFlow's copy_ and torch's
         across devices do."""
         recorded = torch.is_grad_enabled() and (self.requires_grad or src.requires_grad)
-        if type(src) is GlobalTensor and src._spec.placement != self._spec.placement:
-            src = src.to_global(placement=self._spec.placement, sbp=self._spec.nd_sbp)
+        placement = self._spec.placement
+        if (
+            type(src) is GlobalTensor
+            and src._spec.placement is not placement  # (placement's == runs in Python)
+            and src._spec.placement != placement
+        ):
+            src = src.to_global(placement=placement, sbp=self._spec.nd_sbp)
         if (
             type(src) is GlobalTensor
             and src._spec == self._spec

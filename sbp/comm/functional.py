@@ -67,7 +67,8 @@ def noting() -> Iterator[list[torch.Tensor]]:
 
 
 def tied(out: torch.Tensor, results: list[torch.Tensor]) -> torch.Tensor:
-    """`out`, made to depend on `results` where it is empty. A rank left an empty shard
+    """`out`, made to depend on `results` (collectives' results, or an op's boxed inputs:
+    `sbp.ops.registry`) where it is empty. A rank left an empty shard
     sends its data but uses nothing it receives: a graph that leaves its collectives
     unused drops them on this rank alone (AOT autograd's partitioner keeps only what the
     outputs need), and the other ranks wait for them. Empty, the tie costs nothing."""

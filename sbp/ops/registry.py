@@ -667,10 +667,8 @@ def _empty_like(t: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
     """A new empty output shaped as `t`. While tracing it is made from this rank's inputs
     (as boxed for the op): a graph where it depended on nothing would drop the collectives
     that boxed them on this rank alone, and the other ranks would wait for them."""
-    if not functional.tracing(inputs[0]):
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    parts = [x.reshape(-1)[:0].to(t.dtype) for x in inputs]
-    return torch.cat(parts).reshape(t.shape)
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return functional.tied(out, inputs) if functional.tracing(inputs[0]) else out
 
 
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
