@@ -5,6 +5,7 @@ from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
     DeviceMismatchError,
+    IndexRangeError,
     InputTypeError,
     LabelRangeError,
     MetaMismatchError,
@@ -66,6 +67,7 @@ __all__ = [
     "GlobalTensor",
     "DeviceMismatchError",
     "InputTypeError",
+    "IndexRangeError",
     "LabelRangeError",
     "MetaMismatchError",
     "PlacementError",

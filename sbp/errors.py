@@ -31,3 +31,8 @@ class InputTypeError(SbpError, TypeError):
 
 class LabelRangeError(SbpError, IndexError):
     """A loss's class label outside [0, classes) that is not its `ignore_index`."""
+
+
+class IndexRangeError(SbpError, IndexError):
+    """An index tensor (`F.embedding`'s ids, `gather`'s index) holding an index outside the
+    range its op accepts."""

@@ -22,7 +22,7 @@ from sbp.errors import InputTypeError, PlacementError, SbpError, SbpSignatureErr
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import GlobalTensor, box
+from sbp.tensor import GlobalTensor, box, learn_range
 
 
 def manual_seed(seed: int) -> None:
@@ -87,7 +87,9 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
         error = e
     with stats.paused():  # a check of the arguments, not a collective of the tensor's
         comm.exchange(description, agreement.world(), what="sbp.tensor data", error=error)
-    return from_logical(value.clone(), placement, sbp, requires_grad, checked=True)
+    out = from_logical(value.clone(), placement, sbp, requires_grad, checked=True)
+    learn_range(out, value)
+    return out
 
 
 def _value(fn, args: tuple, placement: Any, sbp: Any, **kw) -> torch.Tensor:

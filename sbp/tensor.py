@@ -588,6 +588,14 @@ def _storage_key(local: torch.Tensor) -> int:
     return local.untyped_storage()._cdata
 
 
+def learn_range(g: GlobalTensor, logical: torch.Tensor) -> None:
+    """`logical` is `g`'s logical value, the same on every rank (`sbp.tensor`'s checked
+    data): its range is then known alike everywhere, as `to_global`'s is."""
+    bounds = _local_bounds(logical)
+    if bounds:
+        _record_range(g, (bounds[0], bounds[1]))
+
+
 def _record_range(g: GlobalTensor, bounds: tuple[int, int]) -> None:
     local = g._local
     g._bounds = (*bounds, local, local._version, _global_writes.get(_storage_key(local), 0))

@@ -437,6 +437,59 @@ def test_label_out_of_range_inside_the_forward_raises_on_every_rank(pool, label)
     _expect_error(pool, _loss_inside_with_label, sbp.LabelRangeError, label, match="outside [0, 5)")
 
 
+def _pick_with_index(rank, world, op, bad, made_by):
+    """`op` of a broadcast float64 table by a split index tensor whose last row (on the last
+    rank alone) is `bad`: the sum of the result and the table's gradient."""
+    import torch.nn.functional as F
+
+    P = _all(world)
+    table = torch.arange(15.0, dtype=torch.float64).reshape(5, 3).requires_grad_()
+    gtable = sbp.to_global(table.detach(), P, sbp.broadcast).requires_grad_()
+    index = torch.arange(2 * world).remainder(5)
+    index[-1] = bad
+    if op != "embedding":
+        index = index.unsqueeze(1).expand(-1, 3).contiguous()
+    if made_by == "sbp.tensor":
+        gindex = sbp.tensor(index, placement=P, sbp=sbp.split(0))
+    else:
+        gindex = sbp.to_global(index[2 * rank : 2 * rank + 2], P, sbp.split(0))
+    picks = {
+        "embedding": lambda t, i: F.embedding(i, t),
+        "gather": lambda t, i: t.gather(0, i),
+        "scatter_add": lambda t, i: t.scatter_add(0, i, t.new_ones(i.shape)),
+    }[op]
+    out = picks(gtable, gindex)
+    out.sum().backward()
+    want = picks(table, index)
+    want.sum().backward()
+    torch.testing.assert_close(out.full_tensor(), want, rtol=0, atol=0)
+    torch.testing.assert_close(gtable.grad.full_tensor(), table.grad, rtol=0, atol=0)
+    return out.sum().item()
+
+
+_PICKS = pytest.mark.parametrize("op", ["embedding", "gather", "scatter_add"])
+_MADE_BY = pytest.mark.parametrize("made_by", ["to_global", "sbp.tensor"])
+
+
+@_PICKS
+@_MADE_BY
+@pytest.mark.parametrize("bad", [5, -1], ids=["size", "negative"])
+def test_index_out_of_range_on_one_rank_raises_on_every_rank(pool, op, made_by, bad):
+    """torch's kernel raises on the rank holding the bad index alone, and the other ranks
+    would wait for it in their next collective; the range `to_global` (or `sbp.tensor`)
+    learnt tells every rank. Good indices give one process's values and gradients."""
+    _expect_values(pool, _pick_with_index, op, 4, made_by)  # (warm: time the error alone)
+    _expect_error(
+        pool,
+        _pick_with_index,
+        sbp.IndexRangeError,
+        op,
+        bad,
+        made_by,
+        match=f"{op}: {'indices' if op == 'embedding' else 'index'} holds index {bad}",
+    )
+
+
 # ---------------------------------------------------------------- resources
 
 

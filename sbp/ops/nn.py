@@ -18,6 +18,7 @@ from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
     Call,
     Strategy,
+    indices_within,
     rebox,
     rebox_to,
     register,
@@ -326,7 +327,7 @@ def layer_norm_backward(call: Call) -> list[Strategy]:
     return cands
 
 
-@register_strategy(aten.embedding)
+@register_strategy(aten.embedding, check=indices_within((1, "indices"), lambda a: a[0].shape[0]))
 def embedding(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
     cands = [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]

@@ -24,7 +24,7 @@ import torch
 from sbp import env, local_constants
 from sbp.boxing import plan_specs
 from sbp.comm import functional, stats
-from sbp.errors import PlacementError
+from sbp.errors import IndexRangeError, PlacementError
 from sbp.layout import GlobalSpec
 from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
 from sbp.signature import SBP, broadcast, partials_to_broadcast, split
@@ -68,11 +68,15 @@ class Call:
 class StrategyRule:
     """`candidates(call) -> [Strategy]`; optional `local_args(call, args, kwargs, rank, in_specs,
     out_specs)` fixes shape arguments for local tensors; optional `post(func, args, kwargs, outs,
-    in_specs, out_specs)` fixes local results (a mean over a split dim, say)."""
+    in_specs, out_specs)` fixes local results (a mean over a split dim, say); optional
+    `check(func, args, kwargs)` raises, on every rank alike, for arguments that would fail
+    one rank's kernel alone (the others would wait for it in their next collective). A
+    decision cannot skip it: such an op never takes the direct path."""
 
     candidates: Callable[[Call], Sequence[Strategy]]
     local_args: Callable | None = None
     post: Callable | None = None
+    check: Callable | None = None
 
 
 def split_except_dim(
@@ -88,6 +92,34 @@ def split_except_dim(
         if d != dim:
             cands.append(Strategy((split(d),) * n_in, (split(d),) * n_out))
     return cands
+
+
+def indices_within(index: tuple[int, str], size: Callable[[list], int]) -> Callable:
+    """A `check` (see StrategyRule) for an op that picks by an index tensor (embedding,
+    gather): where `to_global` learnt the logical index tensor's range (`known_range`: no
+    collective, every rank knows it alike), an index outside [0, size(schema args)) raises
+    `IndexRangeError` on every rank. Otherwise only the rank holding the bad index would
+    raise (torch's kernel), and the others wait for it until the timeout. Indices made by
+    ops, or on a GPU, have no known range: the kernel is left to find them."""
+    pos, name = index
+
+    def check(func, args: tuple, kwargs: dict) -> None:
+        from sbp.tensor import GlobalTensor, known_range
+
+        full = schema_args(func, args, kwargs)
+        t = full[pos]
+        bounds = known_range(t) if isinstance(t, GlobalTensor) else None
+        if bounds is None:
+            return
+        limit = size(full)
+        if bounds[0] < 0 or bounds[1] >= limit:
+            bad = bounds[0] if bounds[0] < 0 else bounds[1]
+            raise IndexRangeError(
+                f"{func.overloadpacket.__name__}: {name} holds index {bad}, outside "
+                f"[0, {limit}) (seen when {name} was made global)"
+            )
+
+    return check
 
 
 def schema_args(func, args: tuple, kwargs: dict) -> list:
@@ -110,11 +142,16 @@ def register(*ops: Any) -> Callable:
     return deco
 
 
-def register_strategy(*ops: Any, local_args: Callable | None = None, post: Callable | None = None):
+def register_strategy(
+    *ops: Any,
+    local_args: Callable | None = None,
+    post: Callable | None = None,
+    check: Callable | None = None,
+):
     """Decorator for a candidates function: the op runs through the strategy engine."""
 
     def deco(candidates):
-        rule = StrategyRule(candidates, local_args, post)
+        rule = StrategyRule(candidates, local_args, post, check)
         for op in ops:
             _rules[op] = rule
         return candidates
@@ -548,6 +585,7 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         and outs[0] is not None
         and (rule.local_args is None or sized)
         and rule.post is None
+        and rule.check is None
         and (not is_inplace(func) or outs[0] == specs[0])
         and tuple(specs) == req
         and getattr(func, "_pyobj_dispatcher", None) is None
@@ -592,6 +630,8 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
         except NoMeta:
             return run_data_dependent(func, flat, tree, gpos)
+    if rule.check is not None:
+        rule.check(func, *unflatten(flat, tree))
     if observers:
         observers[-1].strategy(func, rule, [flat[i] for i in gpos], d)
     inplace = is_inplace(func)

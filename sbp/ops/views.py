@@ -18,6 +18,7 @@ from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
     Call,
     Strategy,
+    indices_within,
     local_view,
     rebox,
     register,
@@ -138,7 +139,13 @@ def slicing(call: Call) -> list[Strategy]:
     return mapped(pairs, 1)
 
 
-@register_strategy(aten.gather)
+def _dim_size(args: list) -> int:
+    """`self`'s size along `dim` (args: self, dim, ...), 1 for a 0-dim self."""
+    shape = args[0].shape
+    return shape[_norm(args[1], len(shape))] if len(shape) else 1
+
+
+@register_strategy(aten.gather, check=indices_within((2, "index"), _dim_size))
 def gather(call: Call) -> list[Strategy]:
     """out = self's elements picked along `dim` by index: a split of another dim stays where
     self and index split it alike (the same size there); index split along `dim` picks from
@@ -161,7 +168,9 @@ def gather(call: Call) -> list[Strategy]:
     return cands
 
 
-@register_strategy(aten.scatter_add, aten.scatter_add_)
+@register_strategy(
+    aten.scatter_add, aten.scatter_add_, check=indices_within((2, "index"), _dim_size)
+)
 def scatter_add(call: Call) -> list[Strategy]:
     """self plus src's elements added at index along `dim` (gather's backward): a split of
     another dim stays where all three split it alike; src and index split along `dim` add
