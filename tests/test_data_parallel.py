@@ -409,6 +409,53 @@ def test_declines_a_module_that_mixes_samples(pool2):
     assert _rel(got[1], ref[1]) < 1e-12
 
 
+def _new_head_steps(world, classes):
+    """Two SGD steps of an MLP (three classes), then a new head of `classes` classes
+    (fine-tuning on other labels: `model.head = Linear(...)`), two steps more. Global when `world`:
+    the fast path ran before the head changed. The losses, the last step's paths and
+    parameters (logical values)."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    head = torch.nn.Linear(16, classes).double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 4, 8, dtype=torch.float64, generator=g)
+    y = [torch.randint(0, 3 if i < 2 else classes, (4,), generator=g) for i in range(4)]
+    P = None if world is None else sbp.placement("cpu", list(range(world)))
+    if P is not None:
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model)
+    losses, paths = [], []
+    for i in range(4):
+        if i == 2:
+            model.head = head if P is None else copy.deepcopy(head).to_global(P, B)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = F.cross_entropy(model(x[i]), y[i]) if P is None else _loss(model, x[i], y[i], P)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if P is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+    params = [p.detach() for p in model.parameters()] if P is None else _gather(model)
+    return losses, paths, params
+
+
+@pytest.mark.parametrize("classes", [5, 3])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_new_head_after_the_fast_path_ran(request, world, classes):
+    """The local run puts local tensors in the tables it found: a new submodule's are new
+    ones (before: the old head's got them, and the new head's global weight met a local
+    input: PlacementError). The layouts checked with the old parameters expected three
+    classes; new parameters of other shapes are checked again."""
+    ref = _new_head_steps(None, classes)
+    pool = request.getfixturevalue(f"pool{world}")
+    for losses, paths, params in pool.run(_new_head_steps, world, classes):
+        assert paths == ["fast"] * 4
+        assert losses == pytest.approx(ref[0], rel=1e-12)
+        assert _rel(params, ref[2]) < 1e-12
+
+
 def test_declines_a_tensor_parallel_weight(pool2):
     data = _data(steps=2)
 

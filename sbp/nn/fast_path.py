@@ -669,6 +669,18 @@ _SPEC, _LOCAL, _REQUIRES_GRAD = (
 _LEAF_VERSIONS = itertools.count(1)
 _NUMBERS = itertools.count()  # of DataParallel objects
 
+# How many submodules any module was given (`model.head = Linear(...)`, `add_module`): the
+# tables a `_Slots` read may then no longer be the module's, though they still hold the
+# same tensors (the old head's). Counted by torch's global registration hook.
+SUBMODULES_SET = [0]
+
+
+def _count_submodule(module: torch.nn.Module, name: str, submodule: Any) -> None:
+    SUBMODULES_SET[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_submodule)
+
 
 class _Slots:
     """Where the module keeps each parameter and buffer (a submodule's `_parameters` or
@@ -688,6 +700,7 @@ class _Slots:
         self.params = list({id(t): t for _, _, t, is_param in found if is_param}.values())
         self.buffers = [t for _, _, t, is_param in found if not is_param]
         self.version = 0  # which making of the local leaves (unique over all _Slots)
+        self.submodules_seen = SUBMODULES_SET[0]  # when the tables were found
         self._locals: list = []  # each slot's local tensor when `local` was made
         self._trained: list = []  # each parameter's requires_grad then
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (local, leaf)
@@ -699,7 +712,10 @@ class _Slots:
 
     def unchanged(self) -> bool:
         """The same global tensors in the same places, with the same specs? (Module tables
-        are written with no hook: they are read every call.)"""
+        are written with no hook: they are read every call; a submodule set since may
+        have replaced a table.)"""
+        if self.submodules_seen != SUBMODULES_SET[0]:
+            return False
         if not all(map(is_, map(dict.get, self.tables, self.names), self.tensors)):
             return False
         rebinds = REBINDS[0]
@@ -708,6 +724,16 @@ class _Slots:
                 return False
             self._specs_seen = rebinds
         return True
+
+    def same_as(self, found: list[tuple[dict, str, GlobalTensor, bool]]) -> bool:
+        """Are these the slots `found` (the same tables, names and tensors, specs unchanged)?"""
+        return (
+            len(found) == len(self.tensors)
+            and all(a is b for (a, _, _, _), b in zip(found, self.tables, strict=True))
+            and [name for _, name, _, _ in found] == self.names
+            and all(a is b for (_, _, a, _), b in zip(found, self.tensors, strict=True))
+            and list(map(_SPEC, self.tensors)) == self.specs
+        )
 
     def refresh(self) -> None:
         """Make a parameter's local leaf again when its local tensor or requires_grad changed.
@@ -923,7 +949,8 @@ class DataParallel:
 
     def _params_broadcast(self) -> bool:
         """Are the module's parameters and buffers still the broadcast ones seen last time?"""
-        if self._slots is not None and self._slots.unchanged():
+        old = self._slots
+        if old is not None and old.unchanged():
             return True
         self._slots = None
         allb = (broadcast,) * self.placement.ndim
@@ -942,7 +969,15 @@ class DataParallel:
                     ):
                         return False
                     found.append((table, name, t, is_param))
+        if old is not None and old.same_as(found):  # (a submodule set elsewhere)
+            old.submodules_seen = SUBMODULES_SET[0]
+            self._slots = old
+            return True
         self._slots = _Slots(found)
+        if old is None or old.names != self._slots.names or old.specs != self._slots.specs:
+            # Other tensors (a new head for fine-tuning, a resized embedding): the layouts
+            # checked with the old ones may expect other outputs; check them again
+            self._layouts.clear()
         return True
 
     # ------------------------------------------------------------ checking pass
