@@ -490,6 +490,50 @@ def test_index_out_of_range_on_one_rank_raises_on_every_rank(pool, op, made_by, 
     )
 
 
+class _Embedder(torch.nn.Module):
+    """Token ids in, as transformers' models take them (`input_ids.view(-1, n)` first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(5, 3).double()
+        self.head = torch.nn.Linear(3, 2).double()
+
+    def forward(self, ids):
+        return self.head(self.table(ids.view(-1, ids.shape[-1])))
+
+
+def _fast_path_with_index(rank, world, bad):
+    """The fast path's local run of `_Embedder` on ids whose last one (on the last rank) is
+    `bad`, after a checked call on good ids: the path and the loss."""
+    import sbp.nn
+
+    P = _all(world)
+    torch.manual_seed(0)
+    model = _Embedder().to_global(P, sbp.broadcast)
+    sbp.nn.data_parallel(model)
+    ids = torch.arange(4 * world).remainder(5).reshape(2 * world, 2)
+    model(sbp.tensor(ids, placement=P, sbp=sbp.split(0))).sum().backward()  # the check
+    ids[-1, -1] = bad
+    out = model(sbp.tensor(ids, placement=P, sbp=sbp.split(0)))
+    out.sum().backward()
+    return sbp.nn.fast_path.state(model).last_path, out.sum().item()
+
+
+@pytest.mark.parametrize("bad", [5, -1], ids=["size", "negative"])
+def test_index_out_of_range_on_the_fast_path_raises_on_every_rank(pool, bad):
+    """The checking pass notes which inputs an op checked as index tensors (`ids`, through
+    a view); each local run checks their known range as the op would."""
+    for path, _ in _expect_values(pool, _fast_path_with_index, 4):
+        assert path == "fast"
+    _expect_error(
+        pool,
+        _fast_path_with_index,
+        sbp.IndexRangeError,
+        bad,
+        match=f"embedding: indices holds index {bad}, outside [0, 5)",
+    )
+
+
 # ---------------------------------------------------------------- resources
 
 

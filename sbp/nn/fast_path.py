@@ -30,6 +30,7 @@ whose check failed, ranks outside the placement) runs op by op as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import threading
@@ -85,6 +86,9 @@ class Layout:
     # those attributes: the local run then intercepts them there only (a mode over the
     # whole forward costs ~5% of a mobilenet_v2 forward, ~20% of a small GPT-2's)
     in_modules: bool = True
+    # (the module input's position, or keyword, and the limit an op checked it against):
+    # index tensors of embeddings and gathers that are inputs (`sbp.ops.registry.IndexLimit`)
+    index_inputs: list = field(default_factory=list)
     # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
     exits: tuple | None = None
@@ -105,6 +109,17 @@ class Layout:
                 ],
             )
         return self.exits[1]
+
+
+def _all_of(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do contiguous `a` and `b` hold the same elements (one is a whole view of the other)?"""
+    return a is b or (
+        a.numel() == b.numel()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.is_contiguous()
+        and b.is_contiguous()
+    )
 
 
 class _Check:
@@ -138,6 +153,7 @@ class _Check:
         self.loss_depth = 0  # inside F.cross_entropy or F.nll_loss called by name
         self.attention_depth = 0  # inside F.scaled_dot_product_attention called by name
         self.outside_modules = False
+        self.index_limits: list[registry.IndexLimit] = []
 
     def _fail(self, reason: str) -> None:
         if not self.reason:
@@ -171,6 +187,25 @@ class _Check:
         ):
             self._fail(f"{func} adjusts its local arguments")
         self._no_partials(func, d.out_specs, d.in_specs)
+
+    def index_checked(self, found: registry.IndexLimit) -> None:
+        """An op checked an index tensor's known range (see `indexed_inputs`)."""
+        self.index_limits.append(found)
+
+    def indexed_inputs(self, args: tuple, kwargs: dict) -> list:
+        """(position or keyword, limit) of each module input that an op checked as an index
+        tensor, itself or a view of all of it (`ids.view(-1, n)`): the local run checks the
+        input's known range against the limit on every call, as the op did here, so that a
+        bad index raises on every rank, not in one rank's kernel alone."""
+        inputs = [*enumerate(args), *kwargs.items()]
+        found = []
+        for limit in self.index_limits:
+            t = limit.index._local
+            for key, a in inputs:
+                if isinstance(a, GlobalTensor) and _all_of(a._local, t):
+                    found.append((key, dataclasses.replace(limit, index=None)))
+                    break
+        return found
 
     def _in_place_or_sliced(self, g: GlobalTensor, need: GlobalSpec) -> bool:
         """Is `g` laid out as the op needs it, or broadcast and needed split on the batch's
@@ -850,6 +885,8 @@ class DataParallel:
             backend is not None and self._local_compile_declined(layout, data_nd) is not None
         ):
             return self._per_op(args, kwargs, backend)
+        for key, limit in layout.index_inputs:  # (as the ops checked them op by op)
+            limit.check(args[key] if type(key) is int else kwargs[key])
         self.last_path = "fast"
         if layout.tried:
             return self._run_local(args, kwargs, layout, data_nd, backend)
@@ -1024,6 +1061,7 @@ class DataParallel:
             by_name_dropouts=check.by_name_dropouts,
             losses=check.losses,
             in_modules=not check.outside_modules,
+            index_inputs=check.indexed_inputs(args, kwargs),
         )
 
     # ------------------------------------------------------------ local run

@@ -70,8 +70,9 @@ class StrategyRule:
     out_specs)` fixes shape arguments for local tensors; optional `post(func, args, kwargs, outs,
     in_specs, out_specs)` fixes local results (a mean over a split dim, say); optional
     `check(func, args, kwargs)` raises, on every rank alike, for arguments that would fail
-    one rank's kernel alone (the others would wait for it in their next collective). A
-    decision cannot skip it: such an op never takes the direct path."""
+    one rank's kernel alone (the others would wait for it in their next collective), and
+    returns what it checked, an `IndexLimit`, or None. A decision cannot skip it: such an
+    op never takes the direct path."""
 
     candidates: Callable[[Call], Sequence[Strategy]]
     local_args: Callable | None = None
@@ -94,30 +95,47 @@ def split_except_dim(
     return cands
 
 
+@dataclass(frozen=True)
+class IndexLimit:
+    """What an index check found: op `op`'s argument `name`, a global index tensor, must lie
+    in [0, limit)."""
+
+    op: str
+    name: str
+    index: Any
+    limit: int
+
+    def check(self, index: Any = None) -> None:
+        """Raise `IndexRangeError` where the known range of `index` (default: the one seen)
+        leaves [0, limit); unknown ranges pass."""
+        from sbp.tensor import known_range
+
+        bounds = known_range(self.index if index is None else index)
+        if bounds is not None and (bounds[0] < 0 or bounds[1] >= self.limit):
+            bad = bounds[0] if bounds[0] < 0 else bounds[1]
+            raise IndexRangeError(
+                f"{self.op}: {self.name} holds index {bad}, outside [0, {self.limit}) (seen "
+                f"when {self.name} was made global)"
+            )
+
+
 def indices_within(index: tuple[int, str], size: Callable[[list], int]) -> Callable:
     """A `check` (see StrategyRule) for an op that picks by an index tensor (embedding,
     gather): where `to_global` learnt the logical index tensor's range (`known_range`: no
     collective, every rank knows it alike), an index outside [0, size(schema args)) raises
     `IndexRangeError` on every rank. Otherwise only the rank holding the bad index would
     raise (torch's kernel), and the others wait for it until the timeout. Indices made by
-    ops, or on a GPU, have no known range: the kernel is left to find them."""
+    ops, or on a GPU, have no known range: the kernel is left to find them. Returns the
+    `IndexLimit` checked (for the data-parallel fast path's checking pass), or None."""
     pos, name = index
 
-    def check(func, args: tuple, kwargs: dict) -> None:
-        from sbp.tensor import GlobalTensor, known_range
-
+    def check(func, args: tuple, kwargs: dict) -> IndexLimit | None:
         full = schema_args(func, args, kwargs)
-        t = full[pos]
-        bounds = known_range(t) if isinstance(t, GlobalTensor) else None
-        if bounds is None:
-            return
-        limit = size(full)
-        if bounds[0] < 0 or bounds[1] >= limit:
-            bad = bounds[0] if bounds[0] < 0 else bounds[1]
-            raise IndexRangeError(
-                f"{func.overloadpacket.__name__}: {name} holds index {bad}, outside "
-                f"[0, {limit}) (seen when {name} was made global)"
-            )
+        if not isinstance(full[pos], _global_type()):
+            return None
+        found = IndexLimit(func.overloadpacket.__name__, name, full[pos], size(full))
+        found.check()
+        return found
 
     return check
 
@@ -630,10 +648,11 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
         except NoMeta:
             return run_data_dependent(func, flat, tree, gpos)
-    if rule.check is not None:
-        rule.check(func, *unflatten(flat, tree))
+    checked = None if rule.check is None else rule.check(func, *unflatten(flat, tree))
     if observers:
         observers[-1].strategy(func, rule, [flat[i] for i in gpos], d)
+        if checked is not None:
+            observers[-1].index_checked(checked)
     inplace = is_inplace(func)
     inside = d.inside
     copied = False
