@@ -35,4 +35,4 @@ class LabelRangeError(SbpError, IndexError):
 
 class IndexRangeError(SbpError, IndexError):
     """An index tensor (`F.embedding`'s ids, `gather`'s index) holding an index outside the
-    range its op accepts."""
+    range its op accepts, or a mask of another shape than the dims it indexes."""

@@ -56,7 +56,12 @@ def from_logical(
     if not checked:
         agreement.check_rebox(all_b, target, requires_grad, what="a factory's layout")
     local = value if env.get_rank() in placement else value.new_empty(0)
-    out = GlobalTensor(box(local, all_b, target).detach(), target)
+    local = box(local, all_b, target).detach()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # a shard sliced out of the logical value: its own, contiguous (the storage of
+        # the whole would stay alive, and a column shard's strides would not be dense)
+        local = local.clone(memory_format=torch.contiguous_format)
+    out = GlobalTensor(local, target)
     if requires_grad:
         out.requires_grad_()
     return out

@@ -216,8 +216,14 @@ class GlobalTensor(torch.Tensor):
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
         """The wrapper always has the logical contiguous strides (so torch's own `contiguous`
-        returns it unchanged); the local tensor of a transpose or slice does not: copy it then."""
-        if self._local.is_contiguous(memory_format=memory_format):
+        returns it unchanged); the local tensor of a transpose or slice does not: copy it then.
+        Every rank must decide alike (a write into the result reaches the base or not), so
+        size-1 and empty dims count too (`_dense_in_order`): a 1-row shard of a transpose is
+        contiguous by torch's test, the other ranks' shards are not."""
+        local = self._local
+        if local.is_contiguous(memory_format=memory_format) and _dense_in_order(
+            local, memory_format
+        ):
             return self
         return self.clone(memory_format=memory_format)
 
@@ -348,6 +354,26 @@ class GlobalTensor(torch.Tensor):
             if not recorded:
                 return checkpoint.copy_plain_value(self, src, non_blocking)
         return super().copy_(src, non_blocking)
+
+
+# Each memory format's dims, innermost first (contiguous: the last dim first)
+_INNERMOST_FIRST = {torch.channels_last: (1, 3, 2, 0), torch.channels_last_3d: (1, 4, 3, 2, 0)}
+
+
+def _dense_in_order(t: torch.Tensor, memory_format: torch.memory_format) -> bool:
+    """Are `t`'s strides those of a dense tensor in the format's order, size-1 and empty
+    dims included (torch's `is_contiguous` skips them: their strides vary with the shape)?
+    Shards of one global tensor differ in size only, so this answers alike on every rank."""
+    shape = t.shape
+    if all(n > 1 for n in shape):
+        return True  # (torch's test, passed, read every dim)
+    order = _INNERMOST_FIRST.get(memory_format, range(t.dim() - 1, -1, -1))
+    expected = 1
+    for d in order:
+        if t.stride(d) != expected:
+            return False
+        expected *= max(shape[d], 1)
+    return True
 
 
 # How many times a watched global tensor was rebound: its local tensor, spec, data or class

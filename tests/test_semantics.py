@@ -405,3 +405,143 @@ def test_masked_number_assignment(pool2):
     for out in pool2.run(_masked_number_writes):
         for (got, nd), x in zip(out, want, strict=True):
             assert torch.equal(got, x), nd
+
+
+# ---------------------------------------------------------------- rounding of partial sums
+
+
+def _rounded_partial_sums():
+    """Ops that round (or order) a partial sum's value, on a world of 4: each must see the
+    sum, not round each rank's part (before: `div(s, 2, rounding_mode='floor')` gave
+    [1, 4] where torch gives [1, 5]; `m.sum(dtype=torch.long)` 2 where torch gives 6)."""
+    Pl = sbp.placement("cpu", [0, 1, 2, 3])
+    x = torch.tensor([[1, 3], [1, 2], [1, 1], [0, 4], [2, 1], [1, 1], [0, 1], [3, 0]])
+    s = sbp.tensor(x, Pl, S0).sum(0)  # a partial sum
+    a, b = _logical((2, 8), 1), _logical((8, 2), 2) / 3
+    m = sbp.tensor(a, Pl, S1) @ sbp.tensor(b, Pl, S0)  # a float partial sum
+    ints = sbp.tensor(torch.zeros(2, 2, dtype=torch.long), Pl, S0).sum(0, keepdim=True)
+    ints = ints.expand(2, 2).contiguous()
+    r = _logical((4, 2), 3)
+    pmax = sbp.to_global(r[sbp.env.get_rank()], Pl, sbp.partial_max)
+    out = {
+        "floor": torch.div(s, 2, rounding_mode="floor"),
+        "trunc": torch.div(-s, 4, rounding_mode="trunc"),
+        "floordiv": s // 3,
+        "float floor": torch.div(
+            m * 7, sbp.tensor(torch.tensor([2.0, 3.0]), Pl, B), rounding_mode="floor"
+        ),
+        "sum long": m.sum(dtype=torch.long),
+        "sum0 long": m.sum(0, dtype=torch.long),
+        "cumsum long": m.cumsum(0, dtype=torch.long),
+        "bool": m.bool(),
+        "copy into long": ints.copy_(m * 3),
+        "complex of max": torch.view_as_complex(pmax) * 2,
+        "to complex": pmax.to(torch.complex128).sum(),
+    }
+    return {k: (v.full_tensor(), tuple(v.sbp)) for k, v in out.items()}
+
+
+def test_rounding_a_partial_sum_rounds_the_sum(pool4):
+    x = torch.tensor([[1, 3], [1, 2], [1, 1], [0, 4], [2, 1], [1, 1], [0, 1], [3, 0]])
+    s = x.sum(0)
+    m = _logical((2, 8), 1) @ (_logical((8, 2), 2) / 3)
+    pmax = _logical((4, 2), 3).amax(0)
+    want = {
+        "floor": torch.div(s, 2, rounding_mode="floor"),
+        "trunc": torch.div(-s, 4, rounding_mode="trunc"),
+        "floordiv": s // 3,
+        "float floor": torch.div(m * 7, torch.tensor([2.0, 3.0]), rounding_mode="floor"),
+        "sum long": m.sum(dtype=torch.long),
+        "sum0 long": m.sum(0, dtype=torch.long),
+        "cumsum long": m.cumsum(0, dtype=torch.long),
+        "bool": m.bool(),
+        "copy into long": (m * 3).long(),
+        "complex of max": torch.view_as_complex(pmax) * 2,
+        "to complex": pmax.to(torch.complex128).sum(),
+    }
+    for got in pool4.run(_rounded_partial_sums):
+        assert set(got) == set(want)
+        for k, (value, _) in got.items():
+            assert torch.equal(value, want[k]), (k, value, want[k])
+
+
+# ---------------------------------------------------------------- indexing, aliasing
+
+
+def _write_by_index_backward(how):
+    """`y[idx] = v` (or `y[mask] *= 3`) on a split y, then backward: the gradients."""
+    Pl = sbp.placement("cpu", [0, 1])
+    x, v = _logical((4, 3), 4), _logical((2, 3), 5)
+    gx = sbp.tensor(x, Pl, S0).requires_grad_()
+    gv = sbp.tensor(v, Pl, B).requires_grad_()
+    y = gx * 1
+    if how == "index":
+        y[sbp.tensor(torch.tensor([0, 2]), Pl, B)] = gv * 2
+    else:
+        y[y > 0] *= 3
+    (y * y).sum().backward()
+    return gx.grad.full_tensor(), None if gv.grad is None else gv.grad.full_tensor()
+
+
+def test_backward_through_a_write_by_index(pool2):
+    """torch's backward of index_put writes zeros it makes of the values' logical shape (a
+    local tensor): taken as a broadcast value (before: PlacementError in backward)."""
+    for how in ("index", "mask"):
+        x = _logical((4, 3), 4).requires_grad_()
+        v = _logical((2, 3), 5).requires_grad_()
+        y = x * 1
+        if how == "index":
+            y[torch.tensor([0, 2])] = v * 2
+        else:
+            y[y > 0] *= 3
+        (y * y).sum().backward()
+        for gx, gv in pool2.run(_write_by_index_backward, how):
+            torch.testing.assert_close(gx, x.grad, rtol=1e-14, atol=0)
+            if how == "index":
+                torch.testing.assert_close(gv, v.grad, rtol=1e-14, atol=0)
+
+
+def _mask_of_another_shape(length):
+    Pl = sbp.placement("cpu", [0, 1])
+    g = sbp.tensor(torch.arange(12.0).reshape(4, 3), Pl, S0)
+    mask = sbp.tensor(torch.arange(length) % 2 == 0, Pl, B)
+    try:
+        g[mask]
+    except sbp.IndexRangeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_mask_of_another_shape_raises_on_every_rank(pool2):
+    """torch raises IndexError for a mask whose shape is not the indexed dims' (before: sbp
+    indexed rows by the shorter mask's positions, silently)."""
+    x = torch.arange(12.0).reshape(4, 3)
+    for length in (3, 5):
+        try:
+            x[torch.arange(length) % 2 == 0]
+        except IndexError:
+            pass
+        else:
+            raise AssertionError("torch took the mask")
+        for message in pool2.run(_mask_of_another_shape, length):
+            assert f"shape of the mask [{length}] at index 0 does not match" in message
+
+
+def _contiguous_then_write(sbp_):
+    Pl = sbp.placement("cpu", [0, 1, 2, 3])
+    g = sbp.tensor(torch.arange(15.0).reshape(5, 3), Pl, sbp_)
+    g.t().contiguous().add_(100)
+    g[:, 1:2].contiguous().mul_(-1)
+    c = g.contiguous()
+    return g.full_tensor(), c is g
+
+
+def test_contiguous_copies_alike_on_every_rank(pool4):
+    """`contiguous()` of a transpose is a copy in torch; it was one on ranks whose shard is
+    not contiguous by torch's test only (a 1-row or 1-column shard passes it), so a write
+    into it reached the base on some ranks. A contiguous tensor is returned as it is."""
+    x = torch.arange(15.0).reshape(5, 3)
+    for layout in (S0, S1, B):
+        for value, same in pool4.run(_contiguous_then_write, layout):
+            assert torch.equal(value, x), layout
+            assert same

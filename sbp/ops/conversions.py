@@ -15,13 +15,17 @@ from sbp import env
 from sbp.boxing.executor import local_device
 from sbp.errors import DeviceMismatchError
 from sbp.ops.registry import register, without_partials
+from sbp.signature import partial_sum
 
 aten = torch.ops.aten
 
 
-def _is_linear_cast(dtype: torch.dtype) -> bool:
-    """Casting to a floating (or complex) dtype keeps a partial sum a partial sum."""
-    return dtype.is_floating_point or dtype.is_complex
+def _keeps_partials(spec, dtype: torch.dtype) -> bool:
+    """Casting to a floating dtype keeps a partial sum a partial sum, and a partial max or
+    min one (monotone); to a complex one, a partial sum only (complex numbers have no order)."""
+    if dtype.is_complex:
+        return all(not s.is_partial or s == partial_sum for s in spec.nd_sbp)
+    return dtype.is_floating_point
 
 
 @register(aten._to_copy.default)
@@ -41,7 +45,7 @@ def to_copy(func, args, kwargs):
             )
         kwargs["device"] = local_device(P.type)
     dtype = kwargs.get("dtype") or g.dtype
-    if any(s.is_partial for s in g._spec.nd_sbp) and not _is_linear_cast(dtype):
+    if any(s.is_partial for s in g._spec.nd_sbp) and not _keeps_partials(g._spec, dtype):
         g = without_partials(g)
     local = func(g._local, **kwargs) if env.get_rank() in P else g._local.to(dtype)
     return GlobalTensor(local, g._spec._replace(dtype=local.dtype))

@@ -187,8 +187,11 @@ def additive(call: Call) -> list[Strategy]:
 
 @register_strategy(*PRODUCTS, *QUOTIENTS)
 def product(call: Call) -> list[Strategy]:
-    """One partial factor times broadcast factors stays partial (for a quotient, the numerator)."""
+    """One partial factor times broadcast factors stays partial (for a quotient, the numerator;
+    not one rounded by `rounding_mode`: the parts' floors do not sum to the sum's)."""
     cands = split_candidates(call)
+    if call.func in QUOTIENTS and call.arg(2, "rounding_mode") is not None:
+        return cands
     n = len(call.specs)
     positions = [0] if call.func.overloadpacket in (aten.div, aten.div_) else range(n)
     for i in positions:

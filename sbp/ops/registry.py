@@ -27,7 +27,7 @@ from sbp.comm import functional, stats
 from sbp.errors import IndexRangeError, PlacementError
 from sbp.layout import GlobalSpec
 from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
-from sbp.signature import SBP, broadcast, partials_to_broadcast, split
+from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
 
 _rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
@@ -336,9 +336,15 @@ def trusted_constant(func) -> bool:
 # Ops into which torch's backward formulas put a gradient together with a local tensor
 # they make from shapes alone: a buffer of the logical shape that a gradient is scattered
 # or filled into (zeros, in max.dim's backward in torch 2.11; trace's flat zeros and
-# diagonal indices), or ones joined to the input (prod's exclusive cumulative products).
+# diagonal indices), or ones joined to the input (prod's exclusive cumulative products), or
+# zeros written where `y[idx] = v` wrote (index_put's backward).
 FORMULA_BUFFER_OPS = frozenset(
-    {torch.ops.aten.scatter, torch.ops.aten.index_fill, torch.ops.aten.cat}
+    {
+        torch.ops.aten.scatter,
+        torch.ops.aten.index_fill,
+        torch.ops.aten.cat,
+        torch.ops.aten.index_put,
+    }
 )
 
 
@@ -565,10 +571,28 @@ def _per_dim_candidates(func, candidates: list, self_spec: GlobalSpec) -> tuple[
     return [candidates] * n, True
 
 
+def _sums_stay_sums(candidate: Strategy, specs: list[GlobalSpec], metas: list) -> bool:
+    """Does a candidate giving a partial sum give one of a dtype the parts add up in? A
+    float partial sum cast to integers (`sum(dtype=torch.long)`, `int_out.copy_(p)`), or
+    anything cast to bool, rounds each part: the rounded parts do not add up to the
+    rounded sum. (Casts keep partial max and min: they are monotone.)"""
+    dtypes = [m[1] for m in metas if m is not None]
+    floats = any(
+        x == partial_sum and (s.dtype.is_floating_point or s.dtype.is_complex)
+        for x, s in zip(candidate.inputs, specs, strict=True)
+    )
+    return not any(
+        x == partial_sum
+        and (d == torch.bool or (floats and not (d.is_floating_point or d.is_complex)))
+        for x, d in zip(candidate.outputs, dtypes, strict=True)
+    )
+
+
 def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
     metas, tree = _outputs_on_meta(func, args, kwargs)
     call = Call(func, args, kwargs, specs, metas)
-    per_dim, write_back = _per_dim_candidates(func, list(rule.candidates(call)), specs[0])
+    candidates = [c for c in rule.candidates(call) if _sums_stay_sums(c, specs, metas)]
+    per_dim, write_back = _per_dim_candidates(func, candidates, specs[0])
     P = specs[0].placement
     best, best_cost = None, None
     for combo in itertools.product(*per_dim):

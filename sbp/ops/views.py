@@ -13,11 +13,12 @@ import torch
 
 from sbp import env, local_constants
 from sbp.boxing.executor import empty_local
-from sbp.errors import PlacementError
+from sbp.errors import IndexRangeError, PlacementError
 from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
     Call,
     Strategy,
+    formula_buffer,
     indices_within,
     local_view,
     rebox,
@@ -270,6 +271,24 @@ def _unindexed_dims(ndim: int, indices: list) -> dict[int, int]:
     }
 
 
+def _check_mask_shapes(shape: tuple, indices: list) -> None:
+    """A mask must have the shape of the dims it indexes, as torch checks: its nonzero
+    positions would index other dims' elements silently otherwise (and a longer one
+    raise on some ranks only). Logical shapes: every rank raises alike."""
+    d = 0
+    for k, i in enumerate(indices):
+        if i is None or i.dtype not in (torch.bool, torch.uint8):
+            d += 1
+            continue
+        want = tuple(shape[d : d + i.dim()])
+        if tuple(i.shape) != want:
+            raise IndexRangeError(
+                f"index: the shape of the mask {list(i.shape)} at index {k} does not match "
+                f"the shape of the indexed tensor {list(shape)} at dim {d}"
+            )
+        d += i.dim()
+
+
 def _masks_as_integers(given: list, local_idx: list, placement) -> list:
     """A k-dim mask indexes k dims by its nonzero positions, as torch reads it: as k integer
     indices, found from the mask's values (`local_idx`: each index whole on this rank).
@@ -321,7 +340,8 @@ _COMPLEX_DTYPES = {
 def complex_view(func, args, kwargs):
     """`view_as_complex` folds the last dim (its pairs) into complex numbers, `view_as_real`
     unfolds them: every other dim keeps its split, and partial sums stay (both are linear).
-    Only a split of the folded pairs' dim is gathered first. The local view of a local
+    Only a split of the folded pairs' dim, and a partial max or min (complex numbers have
+    no order), are gathered first. The local view of a local
     tensor whose pairs are not adjacent in memory (an expanded gradient) is taken of a
     contiguous copy (`local_view`), as for a reshape."""
     from sbp.ops.writes import mark_view
@@ -331,7 +351,15 @@ def complex_view(func, args, kwargs):
     spec = g._spec
     to_complex = func is aten.view_as_complex.default
     folded = len(spec.shape) - 1 if to_complex else None
-    x = rebox(g, [broadcast if s.is_split and s.dim == folded else s for s in spec.nd_sbp])
+    x = rebox(
+        g,
+        [
+            broadcast
+            if (s.is_split and s.dim == folded) or (s.is_partial and s != partial_sum)
+            else s
+            for s in spec.nd_sbp
+        ],
+    )
     if to_complex:
         shape, dtype = spec.shape[:-1], _COMPLEX_DTYPES.get(spec.dtype, spec.dtype)
     else:
@@ -359,6 +387,7 @@ def index(func, args, kwargs):
         for i in indices
     ]
     if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in local_idx):
+        _check_mask_shapes(x.shape, indices)
         indices = local_idx = _masks_as_integers(indices, local_idx, x._spec.placement)
     kept = _unindexed_dims(len(x.shape), indices)  # (logical shapes: alike on every rank)
     nd = tuple(s if s.is_partial or (s.is_split and s.dim in kept) else broadcast for s in x.sbp)
@@ -383,12 +412,13 @@ def index(func, args, kwargs):
 @register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
 def index_put(func, args, kwargs):
     """Writing `values` at indices: linear in self and values, so both become partial where
-    either is, else broadcast."""
+    either is, else broadcast. (The backward of `y[idx] = v` writes zeros made of the
+    logical shape there: a broadcast value, see FORMULA_BUFFER_OPS.)"""
     from sbp.tensor import GlobalTensor
 
     x, indices, values = args[0], args[1], args[2]
     if not isinstance(values, GlobalTensor):  # (integer values pass scan as indices do)
-        if values.dim() != 0 or not trusted_constant(func):
+        if not formula_buffer(func, values) and (values.dim() != 0 or not trusted_constant(func)):
             raise PlacementError(
                 f"{func}: values is a local tensor of shape {tuple(values.shape)}; make it "
                 "global first (values.to_global(placement, sbp)), or pass a Python number"
