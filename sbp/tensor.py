@@ -502,6 +502,12 @@ class _ToLocal(torch.autograd.Function):
         return GlobalTensor(grad.contiguous(), ctx.spec)
 
 
+def from_local(x: torch.Tensor, spec: GlobalSpec, grad_nd: NdSbp) -> GlobalTensor:
+    """`x`, this rank's local tensor of `spec`, as a global tensor, differentiably (no
+    checks, no communication): its gradient comes back to `x` laid out as `grad_nd`."""
+    return _FromLocal.apply(x, spec, grad_nd)
+
+
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, spec: GlobalSpec, grad_nd: NdSbp):

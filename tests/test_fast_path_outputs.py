@@ -446,3 +446,43 @@ def test_autograd_grad_at_the_parameters_of_the_fast_path(request, world, varian
             _close(g, w.detach())
         for g, w in zip(after or [], want_after or [], strict=True):
             _close(g, w)
+
+
+def _input_gradient_penalty(world):
+    """WGAN-GP's penalty: the gradient of the model's output at its input (create_graph),
+    then a backward of the output's mean plus the penalty. Global when `world`: the input
+    gradient, whether it requires grad, the parameters' gradients (logical values)."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = Net().double()
+    x, _ = _data()
+    if world is None:
+        xs = x.clone().requires_grad_()
+    else:
+        P = sbp.placement("cpu", list(range(world)))
+        model.to_global(P, B)
+        xs = _global(x, P).requires_grad_()
+    out = model(xs)
+    (g,) = torch.autograd.grad(out, xs, grad_outputs=torch.ones_like(out), create_graph=True)
+    (out.mean() + 10 * (g.norm(2, dim=1) - 1).pow(2).mean()).backward()
+    if world is None:
+        return g.detach(), g.requires_grad, [p.grad for p in model.parameters()]
+    path = sbp.nn.fast_path.state(model).last_path
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    return g.detach().full_tensor(), g.requires_grad and path == "fast", grads
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_penalty_on_the_input_gradient(request, world):
+    """The input's gradient from the fast path's local graph is differentiable under
+    create_graph (before: it did not require grad, and the parameters' gradients missed
+    the penalty's, silently)."""
+    want, differentiable, want_grads = _input_gradient_penalty(None)
+    assert differentiable
+    pool = request.getfixturevalue(f"pool{world}")
+    for g, fast_and_differentiable, grads in pool.run(_input_gradient_penalty, world):
+        assert fast_and_differentiable
+        _close(g, want)
+        for got, w in zip(grads, want_grads, strict=True):
+            _close(got, w)

@@ -60,7 +60,7 @@ from sbp.ops.conversions import to_copy
 from sbp.ops.nn import nll_layout, shard_seed
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
-from sbp.tensor import REBINDS, GlobalTensor, watch
+from sbp.tensor import REBINDS, GlobalTensor, from_local, watch
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
@@ -176,8 +176,11 @@ class _Check:
     def direct(self, func, d) -> None:
         self._no_partials(func, [d.direct], d.in_specs)
 
-    def strategy(self, func, rule, args, d) -> None:
-        """`args`: the op's global inputs."""
+    def strategy(self, func, rule, args, d, checked=None) -> None:
+        """`args`: the op's global inputs; `checked`: an index tensor the rule checked
+        (`registry.IndexLimit`, see `indexed_inputs`)."""
+        if checked is not None:
+            self.index_limits.append(checked)
         if rule is registry._FALLBACK:
             self._fail(f"{func} has no SBP rule")
         elif not all(map(self._in_place_or_sliced, args, d.in_specs)):
@@ -187,10 +190,6 @@ class _Check:
         ):
             self._fail(f"{func} adjusts its local arguments")
         self._no_partials(func, d.out_specs, d.in_specs)
-
-    def index_checked(self, found: registry.IndexLimit) -> None:
-        """An op checked an index tensor's known range (see `indexed_inputs`)."""
-        self.index_limits.append(found)
 
     def indexed_inputs(self, args: tuple, kwargs: dict) -> list:
         """(position or keyword, limit) of each module input that an op checked as an index
@@ -682,6 +681,8 @@ class _EnterLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph: the gradient is differentiated too
+            return from_local(grad.contiguous(), ctx.grad_spec, ctx.grad_spec.nd_sbp), None
         return GlobalTensor(grad.contiguous(), ctx.grad_spec), None
 
 

@@ -443,7 +443,8 @@ _list_ops: set = set()
 
 
 # Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
-# objects with direct(func, decision), strategy(func, rule, global inputs, decision),
+# objects with direct(func, decision), strategy(func, rule, global inputs, decision, what
+# the rule's check returned: an IndexLimit or None),
 # custom(func, args) (true where it takes that op as a whole: the ops its rule runs are
 # then not watched), and write(g, items, value) for `g[items] = value` (sbp.setitem).
 observers: list = []
@@ -674,9 +675,7 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             return run_data_dependent(func, flat, tree, gpos)
     checked = None if rule.check is None else rule.check(func, *unflatten(flat, tree))
     if observers:
-        observers[-1].strategy(func, rule, [flat[i] for i in gpos], d)
-        if checked is not None:
-            observers[-1].index_checked(checked)
+        observers[-1].strategy(func, rule, [flat[i] for i in gpos], d, checked)
     inplace = is_inplace(func)
     inside = d.inside
     copied = False
