@@ -65,6 +65,17 @@ def leaf_grad_spec(p: torch.Tensor) -> Any:
     return None
 
 
+def has_user_hooks(p: torch.Tensor) -> bool:
+    """Does global `p` hold gradient hooks besides sbp's own (`_sbp_accumulates`,
+    `_sbp_grad_hook`)?"""
+    own_pre = 1 if getattr(p, "_sbp_accumulates", False) else 0
+    own_post = 1 if getattr(p, "_sbp_grad_hook", False) else 0
+    return (
+        len(p._backward_hooks or ()) > own_pre
+        or len(p._post_accumulate_grad_hooks or ()) > own_post
+    )
+
+
 def post_accumulate_hook(leaf: torch.Tensor) -> None:
     """Runs after autograd accumulated `leaf.grad` (see `GlobalTensor.requires_grad_`);
     once per parameter and backward, so no spec is rebuilt needlessly."""

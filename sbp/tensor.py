@@ -193,6 +193,19 @@ class GlobalTensor(torch.Tensor):
         agreement.check_rebox(self._spec, dst, self.requires_grad, self._local)  # once per pair
         return _Box.apply(self, dst, grad)
 
+    def register_hook(self, hook):
+        """torch's; counted (`HOOKS_SET`): the data-parallel fast path's local gradients
+        would pass a parameter's hooks by."""
+        handle = super().register_hook(hook)
+        HOOKS_SET[0] += 1
+        return handle
+
+    def register_post_accumulate_grad_hook(self, hook):
+        """torch's; counted as `register_hook` is."""
+        handle = super().register_post_accumulate_grad_hook(hook)
+        HOOKS_SET[0] += 1
+        return handle
+
     def requires_grad_(self, requires_grad: bool = True):
         """Turning on gradients of a leaf also makes its `.grad` end in the leaf's sbp."""
         super().requires_grad_(requires_grad)
@@ -374,6 +387,10 @@ def _dense_in_order(t: torch.Tensor, memory_format: torch.memory_format) -> bool
             return False
         expected *= max(shape[d], 1)
     return True
+
+
+# How many gradient hooks were registered on global tensors (sbp's own included)
+HOOKS_SET = [0]
 
 
 # How many times a watched global tensor was rebound: its local tensor, spec, data or class

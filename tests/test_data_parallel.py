@@ -456,6 +456,55 @@ def test_a_new_head_after_the_fast_path_ran(request, world, classes):
         assert _rel(params, ref[2]) < 1e-12
 
 
+def _hooked_steps(world):
+    """Three SGD steps of an MLP whose parameters halve their gradients in a hook and count
+    their accumulations (optimizer-in-backward's hook), the hooks removed before the third.
+    Global when `world`. The paths, the counts, the parameters (logical values)."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    P = None if world is None else sbp.placement("cpu", list(range(world)))
+    if P is not None:
+        model.to_global(P, B)
+    params = list(model.parameters())
+    counts = [0]
+    handles = [p.register_hook(lambda g: g * 0.5) for p in params]
+    handles += [
+        p.register_post_accumulate_grad_hook(lambda p: counts.__setitem__(0, counts[0] + 1))
+        for p in params
+    ]
+    opt = torch.optim.SGD(params, lr=0.1)
+    data = _data(n=8, steps=3)
+    paths = []
+    for i in range(3):
+        if i == 2:
+            for h in handles:
+                h.remove()
+        opt.zero_grad()
+        x, y = data[i]
+        loss = F.cross_entropy(model(x), y) if P is None else _loss(model, x, y, P)
+        loss.backward()
+        opt.step()
+        if P is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+    return paths, counts[0], params if P is None else _gather(model)
+
+
+@pytest.mark.filterwarnings("ignore:sbp. MLP runs op by op while a parameter has a gradient")
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradient_hooks_on_parameters(request, world):
+    """A parameter's hooks see and change its logical gradient, as in one process: the fast
+    path's local gradients would pass them by (before: never called, gradients unscaled,
+    silently), so the model runs op by op while a parameter holds one."""
+    _, want_count, want = _hooked_steps(None)
+    pool = request.getfixturevalue(f"pool{world}")
+    for paths, count, params in pool.run(_hooked_steps, world):
+        assert paths == ["per-op", "per-op", "fast"]
+        assert count == want_count == 2 * len(want)
+        assert _rel(params, want) < 1e-12
+
+
 def test_declines_a_tensor_parallel_weight(pool2):
     data = _data(steps=2)
 

@@ -60,7 +60,7 @@ from sbp.ops.conversions import to_copy
 from sbp.ops.nn import nll_layout, shard_seed
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
-from sbp.tensor import REBINDS, GlobalTensor, from_local, watch
+from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, watch
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
@@ -737,6 +737,8 @@ class _Slots:
         self.buffers = [t for _, _, t, is_param in found if not is_param]
         self.version = 0  # which making of the local leaves (unique over all _Slots)
         self.submodules_seen = SUBMODULES_SET[0]  # when the tables were found
+        self._hooks_seen = -1  # `HOOKS_SET` when the parameters' hooks were last read
+        self._hooked: list = []  # the parameters with gradient hooks of the user's then
         self._locals: list = []  # each slot's local tensor when `local` was made
         self._trained: list = []  # each parameter's requires_grad then
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (local, leaf)
@@ -760,6 +762,18 @@ class _Slots:
                 return False
             self._specs_seen = rebinds
         return True
+
+    def hooked(self) -> bool:
+        """Does a parameter hold a gradient hook of the user's (`p.register_hook`,
+        `register_post_accumulate_grad_hook`)? The local run's gradients go to local leaves
+        and would pass it by. (Read again when hooks were registered since; the hooked
+        ones are read every call, so a removed hook lets the local runs back.)"""
+        if self._hooks_seen != HOOKS_SET[0]:
+            self._hooks_seen = HOOKS_SET[0]
+            self._hooked = [p for p in self.params if gradients.has_user_hooks(p)]
+        elif self._hooked:
+            self._hooked = [p for p in self._hooked if gradients.has_user_hooks(p)]
+        return bool(self._hooked)
 
     def same_as(self, found: list[tuple[dict, str, GlobalTensor, bool]]) -> bool:
         """Are these the slots `found` (the same tables, names and tensors, specs unchanged)?"""
@@ -867,6 +881,15 @@ class DataParallel:
             return self._per_op(args, kwargs, backend)
         key, data_nd = self._layout_key(args, kwargs)
         if key is None or not self._params_broadcast():
+            return self._per_op(args, kwargs, backend)
+        if self._slots.hooked():
+            if "hooks" not in self._warned:
+                self._warned.add("hooks")
+                warnings.warn(
+                    f"sbp: {type(self._module_ref).__name__} runs op by op while a parameter "
+                    "has a gradient hook (register_hook, register_post_accumulate_grad_hook)",
+                    stacklevel=3,
+                )
             return self._per_op(args, kwargs, backend)
         layout = self._layouts.get(key)
         if layout is None:
