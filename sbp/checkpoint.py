@@ -191,23 +191,24 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create an optimizer's state (momentum, moments, step) so that a load can fill it.
 
     As torch.distributed.checkpoint.state_dict does: one step with zero gradients and a
-    learning rate of 0, which leaves the parameters as they are.
+    learning rate of 0, which leaves the parameters as they are. Gradients the parameters
+    hold (a load after a backward) are put back after it; torch skips the step then, and
+    the load would leave the state empty, silently.
     """
     if optimizer.state:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(p.grad is not None for p in params):
-        return
+    held = [p.grad for p in params]
     for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    for p, grad in zip(params, held, strict=True):
+        p.grad = grad
 
 
 def _check_exists(checkpoint_dir: str | os.PathLike) -> None:

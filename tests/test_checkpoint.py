@@ -241,8 +241,11 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _train_global(opt_name: str, load_dir, save_dir: str, steps: range, split_fc1: bool):
-    """Data-parallel steps on the whole world; fc1.weight split(0) over ranks if asked."""
+def _train_global(
+    opt_name: str, load_dir, save_dir: str, steps: range, split_fc1: bool, held=False
+):
+    """Data-parallel steps on the whole world; fc1.weight split(0) over ranks if asked;
+    with `held`, the parameters hold gradients (of a backward) when the state is loaded."""
     me, world = sbp.env.get_rank(), sbp.env.get_world_size()
     P = sbp.placement("cpu", list(range(world)))
     model = _model().to_global(P, B)  # then fc1.weight re-split (to_global re-boxes globals)
@@ -250,8 +253,13 @@ def _train_global(opt_name: str, load_dir, save_dir: str, steps: range, split_fc
         w = model.fc1.weight.detach()
         model.fc1.weight = torch.nn.Parameter(w.to_global(sbp=S0))
     opt = _optimizer(opt_name, model.parameters())
-    assert sbp.checkpoint.load_training_state(load_dir, model, opt) == steps.start
     batches = _batches()
+    if held:
+        x = sbp.to_global(batches[0][0], P, B)
+        model(x).square().sum().backward()
+    assert sbp.checkpoint.load_training_state(load_dir, model, opt) == steps.start
+    if held:
+        assert len(opt.state) == len(list(model.parameters()))
     for i in steps:
         x, y = batches[i]
         part = sbp.local_slices(x.shape, P, S0, P.coord(me))
@@ -288,6 +296,17 @@ def test_train_3_steps_on_4_ranks_resume_3_on_2(opt_name, pool4, pool2, tmp_path
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
     params1, _ = _train_global(opt_name, b, c, range(6, 6), True)
     for got, ref in zip(params1, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_resume_into_parameters_holding_gradients(opt_name, pool2, tmp_path):
+    """A load after a backward (gradients held) restores the optimizer's state too (before:
+    its state stayed empty, silently: momentum and Adam's moments started afresh)."""
+    a, b = (str(tmp_path / n) for n in "ab")
+    pool2.run(_train_global, opt_name, None, a, range(0, 3), False)
+    params, _ = pool2.run(_train_global, opt_name, a, b, range(3, 6), False, True)[0]
+    for got, ref in zip(params, _train_one_process(opt_name), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
