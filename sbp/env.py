@@ -86,6 +86,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _state.update(rank=dist.get_rank(), world=dist.get_world_size())
         _state["local_rank"] = int(os.environ.get("LOCAL_RANK", _state["local_rank"]))
         _state["ready"] = True
+        # (the user's group: sbp's cached subgroups must still go before the interpreter
+        # does, also after the user's own destroy_process_group)
+        atexit.register(_shutdown)
         if timeout is not None:
             _apply_timeout(_state["timeout"])
         return
@@ -126,7 +129,8 @@ def at_shutdown(fn) -> None:
 
 
 def _shutdown() -> None:
-    """Destroy the process group sbp created before the interpreter exits.
+    """Destroy the process group (sbp's, or the user's if still alive) before the
+    interpreter exits.
 
     Left alive, gloo's threads are torn down during static destruction and about one
     exit in five aborts with "terminate called without an active exception" (SIGABRT),

@@ -68,3 +68,43 @@ def test_slurm_variables_start_a_gloo_world():
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs == [["0", "2", "0", "3.0"], ["1", "2", "1", "3.0"]]
+
+
+USERS_GROUP = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")  # the user's group, adopted by sbp
+    import sbp
+    P = sbp.placement("cpu", [0, 1])
+    w = sbp.tensor(torch.arange(6.0).reshape(2, 3), placement=P, sbp=sbp.split(1))
+    x = sbp.tensor(torch.ones(4, 2), placement=P, sbp=sbp.split(0))
+    loss = (x @ w.requires_grad_()).square().sum()
+    loss.backward()
+    values = [loss.item(), w.grad.full_tensor().sum().item()]
+    if dist.get_rank() == 0:  # (one writer: the ranks share the launcher's stdout)
+        print(*values)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_users_group_destroyed_exits_cleanly(tmp_path):
+    """After the user's own `destroy_process_group`, sbp's cached subgroups still held gloo's
+    threads into the interpreter's teardown, which aborted ("terminate called without an
+    active exception", SIGABRT: a failed worker for the launcher) in nearly every exit;
+    sbp drops them at exit."""
+    script = tmp_path / "users_group.py"
+    script.write_text(USERS_GROUP)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER"))}
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+            + ["--master_port", str(_free_port()), str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stderr[-800:]
+        assert out.stdout.split() == ["332.0", "240.0"]
+        assert "terminate called" not in out.stderr
