@@ -37,11 +37,12 @@ from typing import Any
 import torch
 
 from sbp import env, gradients
+from sbp.errors import PlacementError
 from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import REBINDS, GlobalTensor, watch
+from sbp.tensor import REBINDS, REPLACED, GlobalTensor, watch
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
@@ -51,6 +52,7 @@ _LOCAL_STATE = "_sbp_local_state"  # (the _GroupSwaps, their locals' state, its 
 _ENTRIES = "_sbp_state_entries"  # (the state, its _entries after the last local step)
 _NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
+_REPLACED_SEEN = "_sbp_replaced_seen"  # `tensor.REPLACED` when `repoint` last looked
 
 
 def prefer_foreach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -93,6 +95,32 @@ def _restore_foreach(group: dict) -> None:
         group["foreach"] = None
 
 
+def repoint(optimizer: torch.optim.Optimizer) -> None:
+    """Point the optimizer's groups at the global parameters that `module.to_global` put in
+    place of the plain ones it holds (an optimizer made before `to_global` would step the
+    plain ones, which nothing uses any more: the model would silently not train). Looked
+    for only when parameters were replaced since the last look. State kept for a replaced
+    parameter (steps taken before `to_global`) cannot follow it: `PlacementError`."""
+    if optimizer.__dict__.get(_REPLACED_SEEN, 0) == REPLACED[0]:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            new = p.__dict__.get("_sbp_replaced_by")
+            while new is not None and "_sbp_replaced_by" in new.__dict__:
+                new = new.__dict__["_sbp_replaced_by"]
+            if new is None:
+                continue
+            if optimizer.state.get(p):
+                raise PlacementError(
+                    f"{type(optimizer).__name__} holds state for a parameter that "
+                    "module.to_global has since replaced by a global one; make the "
+                    "optimizer (or load its state) after to_global"
+                )
+            params[i] = new
+    optimizer.__dict__[_REPLACED_SEEN] = REPLACED[0]
+
+
 def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global step pre-hook: an optimizer with global parameters steps on locals from its
     next step (this one creates the state).
@@ -100,6 +128,7 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     The new `step` is a method of the instance that calls the one found there (torch's,
     or an LR scheduler's wrapper of it, whose mark it carries), so schedulers made before
     or after still see the optimizer step."""
+    repoint(optimizer)
     # (one look per group: a group qualifies only if all its params are global, and this
     # runs before every step of every optimizer, plain torch ones too)
     if not any(

@@ -1002,6 +1002,25 @@ def _rebuild(obj: Any, on_global, on_local) -> Any:
     return obj
 
 
+# How many parameters `module.to_global` replaced by new objects (`_converted_parameter`)
+REPLACED = [0]
+
+
+def _converted_parameter(p: torch.Tensor, value: GlobalTensor) -> torch.nn.Parameter:
+    """The parameter holding `value`: `p` itself where it was global already (`p.data =`,
+    as OneFlow re-boxes: an optimizer holding it steps the new layout, as after torch's
+    `module.to`), else a new one, which `p` names (`_sbp_replaced_by`): a plain tensor
+    cannot become a global one in place, and an optimizer made before is pointed at it at
+    its next step (`sbp.optim_step.repoint`)."""
+    if isinstance(p, GlobalTensor):
+        p.data = value
+        return p
+    new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+    p._sbp_replaced_by = new
+    REPLACED[0] += 1
+    return new
+
+
 def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **kwargs: Any):
     """`module.to_global`: every parameter and buffer becomes global, in place; returns `module`.
 
@@ -1029,7 +1048,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             if p is None:
                 continue
             if id(p) not in done:
-                done[id(p)] = torch.nn.Parameter(convert(p), requires_grad=p.requires_grad)
+                done[id(p)] = _converted_parameter(p, convert(p))
             sub._parameters[name] = done[id(p)]
         for name, b in list(sub._buffers.items()):
             if b is None:

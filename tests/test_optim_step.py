@@ -484,3 +484,51 @@ def test_a_step_after_zero_grad_changes_nothing(swaps):
         opt.step()
     assert all(p.grad is None for p in glob.parameters())
     _assert_same(plain, glob, popt, gopt)
+
+
+def _trained_across_to_global(name, world, stepped_before):
+    """An optimizer made before `model.to_global` (as before torch's `model.to(device)`),
+    two steps, a re-box of every parameter to split(0) with the same optimizer (its
+    state too), two steps more. The parameters (logical values), or the error raised
+    when the optimizer had stepped before `to_global`."""
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = OPTIMIZERS[name](model.parameters())
+    batches = _batches()
+    if stepped_before:
+        _train(model, opt, batches[:1])
+    P = None if world is None else sbp.placement("cpu", list(range(world)))
+
+    def loss_of(x):
+        if P is None:
+            return model(x).square().mean()
+        return model(sbp.to_global(x, P, B)).square().mean()
+
+    if P is not None:
+        model.to_global(P, B)
+    try:
+        for i, x in enumerate(batches):
+            if i == 2 and P is not None:
+                model.to_global(P, sbp.split(0))
+            opt.zero_grad()
+            loss_of(x).backward()
+            opt.step()
+    except sbp.PlacementError as e:
+        return str(e)
+    return [p.detach() if P is None else p.full_tensor() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_optimizer_made_before_to_global(request, name, world):
+    """`to_global` cannot make a plain parameter global in place: the optimizer's groups
+    are pointed at the new ones at its next step, and a re-box of global parameters keeps
+    them (`p.data =`), with their state (before: the optimizer stepped the old objects,
+    which nothing used: the model silently did not train)."""
+    want = _trained_across_to_global(name, None, False)
+    pool = request.getfixturevalue(f"pool{world}")
+    for got in pool.run(_trained_across_to_global, name, world, False):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for message in pool.run(_trained_across_to_global, name, world, True):
+        assert "holds state for a parameter that module.to_global has since replaced" in message
