@@ -505,7 +505,18 @@ class _Box(torch.autograd.Function):
     def backward(ctx, grad):
         grad = _as_global_grad(grad, ctx.dst)
         target = ctx.src._replace(nd_sbp=ctx.grad_nd)
+        if torch.is_grad_enabled():  # create_graph: the re-box differentiable in turn
+            return rebox_differentiably(grad, target), None, None
         return GlobalTensor(box(grad._local, grad._spec, target), target), None, None
+
+
+def rebox_differentiably(g: GlobalTensor, target: GlobalSpec) -> GlobalTensor:
+    """`g` re-boxed to `target` as an op autograd records (a gradient's conversion in a
+    backward with create_graph: a gradient penalty differentiates it again), its own
+    gradient coming back in `g`'s layout."""
+    if g._spec == target:
+        return g
+    return _Box.apply(g, target, g._spec.nd_sbp)
 
 
 class _ToLocal(torch.autograd.Function):
@@ -516,7 +527,14 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph
+            return from_local(grad.contiguous(), ctx.spec, ctx.spec.nd_sbp)
         return GlobalTensor(grad.contiguous(), ctx.spec)
+
+
+def to_local_differentiably(g: GlobalTensor) -> torch.Tensor:
+    """`g`'s local tensor as an op autograd records (see `rebox_differentiably`)."""
+    return _ToLocal.apply(g)
 
 
 def from_local(x: torch.Tensor, spec: GlobalSpec, grad_nd: NdSbp) -> GlobalTensor:
@@ -536,6 +554,8 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad):
         grad = _as_global_grad(grad, ctx.spec)
         target = ctx.spec._replace(nd_sbp=ctx.grad_nd)
+        if torch.is_grad_enabled():  # create_graph
+            return _ToLocal.apply(rebox_differentiably(grad, target)), None, None
         return box(grad._local, grad._spec, target), None, None
 
 

@@ -448,14 +448,23 @@ def test_autograd_grad_at_the_parameters_of_the_fast_path(request, world, varian
             _close(g, w)
 
 
-def _input_gradient_penalty(world):
+def _model_for_penalty(kind):
+    torch.manual_seed(0)
+    if kind == "batch_norm":  # (logical statistics over the ranks: sums in the backward)
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 5)
+        ).double()
+    return Net().double()
+
+
+def _input_gradient_penalty(world, kind="mlp"):
     """WGAN-GP's penalty: the gradient of the model's output at its input (create_graph),
     then a backward of the output's mean plus the penalty. Global when `world`: the input
     gradient, whether it requires grad, the parameters' gradients (logical values)."""
     import sbp.nn
 
-    torch.manual_seed(0)
-    model = Net().double()
+    model = _model_for_penalty(kind)
     x, _ = _data()
     if world is None:
         xs = x.clone().requires_grad_()
@@ -473,16 +482,45 @@ def _input_gradient_penalty(world):
     return g.detach().full_tensor(), g.requires_grad and path == "fast", grads
 
 
+@pytest.mark.parametrize("kind", ["mlp", "batch_norm"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_penalty_on_the_input_gradient(request, world):
+def test_a_penalty_on_the_input_gradient(request, world, kind):
     """The input's gradient from the fast path's local graph is differentiable under
     create_graph (before: it did not require grad, and the parameters' gradients missed
-    the penalty's, silently)."""
-    want, differentiable, want_grads = _input_gradient_penalty(None)
+    the penalty's, silently), through logical BatchNorm too (before: a raw RuntimeError
+    from its sums, or half the weight's gradient: an output's gradient re-boxed into the
+    local graph was not differentiable)."""
+    want, differentiable, want_grads = _input_gradient_penalty(None, kind)
     assert differentiable
     pool = request.getfixturevalue(f"pool{world}")
-    for g, fast_and_differentiable, grads in pool.run(_input_gradient_penalty, world):
+    for g, fast_and_differentiable, grads in pool.run(_input_gradient_penalty, world, kind):
         assert fast_and_differentiable
         _close(g, want)
         for got, w in zip(grads, want_grads, strict=True):
             _close(got, w)
+
+
+def _penalty_through_a_re_box(world):
+    """x split over the ranks, re-boxed to broadcast and cubed; the gradient at x with
+    create_graph, then a backward of its squares: x's gradient (logical)."""
+    P = sbp.placement("cpu", list(range(world)))
+    x, _ = _data()
+    gx = _global(x, P).requires_grad_()
+    f = (gx.to_global(sbp=B) ** 3).sum() + (sbp.to_global(gx.to_local() ** 2, P, S0)).sum()
+    (g,) = torch.autograd.grad(f, gx, create_graph=True)
+    (g * g).sum().backward()
+    return g.detach().full_tensor(), gx.grad.full_tensor()
+
+
+def test_a_penalty_through_re_boxes(pool2):
+    """The gradients of to_global, to_local and a re-box are differentiable under
+    create_graph (before: their backward made new tensors outside autograd, and the
+    penalty's gradient was missing, silently)."""
+    x, _ = _data()
+    xs = x.clone().requires_grad_()
+    f = (xs**3).sum() + (xs**2).sum()
+    (g,) = torch.autograd.grad(f, xs, create_graph=True)
+    (g * g).sum().backward()
+    for got_g, got_grad in pool2.run(_penalty_through_a_re_box, 2):
+        _close(got_g, g.detach())
+        _close(got_grad, xs.grad)

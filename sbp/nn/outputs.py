@@ -30,7 +30,7 @@ from sbp.gradients import PLAIN_GETTERS, leaf_grad_spec, local_leaves
 from sbp.layout import GlobalSpec
 from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
 from sbp.signature import broadcast, is_all_broadcast, splits_to_partials
-from sbp.tensor import GlobalTensor, box
+from sbp.tensor import GlobalTensor, box, rebox_differentiably, to_local_differentiably
 
 
 class ExitLocal(torch.autograd.Function):
@@ -49,6 +49,9 @@ class ExitLocal(torch.autograd.Function):
         if not isinstance(grad, GlobalTensor):
             whole = (broadcast,) * len(ctx.grad_spec.nd_sbp)
             grad = GlobalTensor(grad, ctx.grad_spec._replace(nd_sbp=whole))
+        if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates it
+            local = to_local_differentiably(rebox_differentiably(grad, ctx.grad_spec))
+            return local, None, None, None, None
         return box(grad._local, grad._spec, ctx.grad_spec), None, None, None, None
 
 

@@ -195,12 +195,14 @@ class LogicalBatchNorm(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, momentum, eps, count, all_reduce
         )
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.count, ctx.all_reduce = count, all_reduce
+        ctx.count, ctx.all_reduce, ctx.eps = count, all_reduce, eps
         return out
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates these
+            return _differentiable_backward(ctx, dy, x, weight)
         dy = dy.contiguous()
         dx, local, _ = backward(
             dy, x, weight, mean, invstd, ctx.count, ctx.all_reduce, ctx.needs_input_grad[0]
@@ -208,6 +210,41 @@ class LogicalBatchNorm(torch.autograd.Function):
         gw = local[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         gb = local[1].to(weight.dtype) if ctx.needs_input_grad[2] else None
         return dx, gw, gb, None, None, None, None, None, None
+
+
+def _differentiable_backward(ctx, dy, x, weight) -> tuple:
+    """The gradients of `LogicalBatchNorm` as a graph autograd can differentiate again
+    (`create_graph=True`): the normalisation is computed anew from `x` with sums over the
+    ranks that are differentiable (`_SumOverRanks`), and differentiated by autograd. As in
+    the first-order form, the weight and bias gradients are this rank's partial sums."""
+    needs = ctx.needs_input_grad
+    dims = [0, *range(2, x.dim())]
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    mean = _SumOverRanks.apply(x.sum(dims), ctx.all_reduce) / ctx.count
+    centred = x - mean.view(view)
+    var = _SumOverRanks.apply(centred.square().sum(dims), ctx.all_reduce) / ctx.count
+    xhat = centred * torch.rsqrt(var + ctx.eps).view(view)
+    out = xhat if weight is None else xhat * weight.view(view)
+    wanted = [t for t, need in ((x, needs[0]), (weight, needs[1])) if need and t is not None]
+    grads = iter(torch.autograd.grad(out, wanted, dy, create_graph=True))
+    dx = next(grads) if needs[0] else None
+    gw = next(grads) if needs[1] and weight is not None else None
+    gb = dy.sum(dims) if needs[2] else None
+    return dx, gw, gb, None, None, None, None, None, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """A sum over the ranks of a group (`GroupSum`), differentiable: its gradient is the
+    sum over the ranks of theirs (every rank's output depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, t, all_reduce):
+        ctx.all_reduce = all_reduce
+        return all_reduce(t.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad.contiguous(), ctx.all_reduce), None
 
 
 class GroupSum:
