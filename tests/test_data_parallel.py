@@ -2277,3 +2277,11 @@ def test_inference_mode_with_the_input_made_inside(request, world):
 
     for got in request.getfixturevalue(f"pool{world}").run(run):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_no_sync_of_a_module_that_is_not_global_is_named():
+    """A plain module has no fast path to pause: `PlacementError` (an `SbpError`), not a
+    bare ValueError."""
+    with pytest.raises(sbp.PlacementError, match="has no data-parallel fast path"):
+        with sbp.nn.no_sync(torch.nn.Linear(2, 2)):
+            pass

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from sbp import comm, env, gradients, local_constants, random
-from sbp.errors import LabelRangeError
+from sbp.errors import LabelRangeError, PlacementError
 from sbp.layout import GlobalSpec
 from sbp.nn import outputs, row_wise_calls, shard_batch_norm
 from sbp.nn.names_replaced import NamesReplaced
@@ -1515,7 +1515,7 @@ def detach_fast_path(module: torch.nn.Module) -> None:
 def state(module: torch.nn.Module) -> DataParallel:
     fast = module.__dict__.get(ATTR)
     if fast is None:
-        raise ValueError(
+        raise PlacementError(
             f"{type(module).__name__} has no data-parallel fast path: "
             "call module.to_global(placement, sbp.broadcast) first"
         )
