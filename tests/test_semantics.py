@@ -545,3 +545,25 @@ def test_contiguous_copies_alike_on_every_rank(pool4):
         for value, same in pool4.run(_contiguous_then_write, layout):
             assert torch.equal(value, x), layout
             assert same
+
+
+def _overlapping_in_place(layout):
+    Pl = sbp.placement("cpu", [0, 1, 2, 3])
+    g = sbp.tensor(torch.arange(15.0).reshape(5, 3), Pl, layout)
+    y = g.t()
+    y[1:].mul_(y[:-1])
+    g[1:].add_(g[:-1])
+    return g.full_tensor()
+
+
+def test_an_in_place_op_reading_what_it_writes(pool4):
+    """Sources overlapping the written tensor are read as before the write, alike on every
+    rank (before: torch's overlap check, run on each rank's local views, raised on the
+    ranks whose shard passed as contiguous, and the others went on: a desync)."""
+    x = torch.arange(15.0).reshape(5, 3)
+    y = x.t()
+    y[1:].mul_(y[:-1].clone())
+    x[1:].add_(x[:-1].clone())
+    for layout in (S0, S1, B):
+        for value in pool4.run(_overlapping_in_place, layout):
+            assert torch.equal(value, x), layout

@@ -479,6 +479,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         # OpOverload.__call__) and wrap; ~6 us less per op than the general path.
         GT = _global_type()
         local = [a._local if type(a) is GT else a for a in flat]
+        if d.direct_inplace:
+            _unshare_sources(local)
         copied = False
         if tree is _PLAIN:
             out = func._op(*local)
@@ -685,6 +687,8 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
     if d.write_back:  # the op writes a copy (boxing may hand back a view of the input)
         local_flat[gpos[0]] = local_flat[gpos[0]].clone()
+    elif inplace:
+        _unshare_sources(local_flat)
     if inside:
         leaves = (
             None
@@ -725,6 +729,27 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         args, kwargs = unflatten(flat, tree)
         mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
+
+
+def _unshare_sources(local: list) -> None:
+    """An in-place op's other tensors that share the written local tensor's storage (other
+    views of it: `y[1:].mul_(y[:-1])`) are copied first. torch's overlap check runs on each
+    rank's local views, whose layouts differ by rank (a 1-row shard is contiguous, the
+    others are not), so it raised on some ranks only and the others went on to wait for
+    them; copied, the op reads the sources as they were before the write, on every rank."""
+    dest = local[0]
+    if not isinstance(dest, torch.Tensor) or len(local) < 2:
+        return
+    storage = dest.untyped_storage().data_ptr()
+    for i in range(1, len(local)):
+        t = local[i]
+        if (
+            isinstance(t, torch.Tensor)
+            and t is not dest
+            and t.numel()
+            and t.untyped_storage().data_ptr() == storage
+        ):
+            local[i] = t.clone()
 
 
 def rebox(g, nd_sbp) -> Any:
