@@ -101,8 +101,8 @@ def repoint(optimizer: torch.optim.Optimizer) -> None:
     plain ones, which nothing uses any more: the model would silently not train). Looked
     for only when parameters were replaced since the last look. State kept for a replaced
     parameter (steps taken before `to_global`) cannot follow it: `PlacementError`."""
-    if optimizer.__dict__.get(_REPLACED_SEEN, 0) == REPLACED[0]:
-        return
+    if torch.compiler.is_compiling() or optimizer.__dict__.get(_REPLACED_SEEN, 0) == REPLACED[0]:
+        return  # (a compiled step: its eager pre-hook run pointed the groups already)
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):

@@ -738,8 +738,8 @@ def _unshare_sources(local: list) -> None:
     others are not), so it raised on some ranks only and the others went on to wait for
     them; copied, the op reads the sources as they were before the write, on every rank."""
     dest = local[0]
-    if not isinstance(dest, torch.Tensor) or len(local) < 2:
-        return
+    if not isinstance(dest, torch.Tensor) or len(local) < 2 or functional.tracing(dest):
+        return  # (a traced graph is functional: nothing is written in place there)
     storage = dest.untyped_storage().data_ptr()
     for i in range(1, len(local)):
         t = local[i]
