@@ -740,16 +740,26 @@ def _unshare_sources(local: list) -> None:
     dest = local[0]
     if not isinstance(dest, torch.Tensor) or len(local) < 2 or functional.tracing(dest):
         return  # (a traced graph is functional: nothing is written in place there)
-    storage = dest.untyped_storage().data_ptr()
+    storage = _storage_of(dest)
+    if storage is None:
+        return
     for i in range(1, len(local)):
         t = local[i]
         if (
             isinstance(t, torch.Tensor)
             and t is not dest
             and t.numel()
-            and t.untyped_storage().data_ptr() == storage
+            and _storage_of(t) == storage
         ):
             local[i] = t.clone()
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    """Which storage `t` views (its StorageImpl: views share it; fake ones have one too)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # (a functional tensor has none to show)
+        return None
 
 
 def rebox(g, nd_sbp) -> Any:
