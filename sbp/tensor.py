@@ -89,12 +89,17 @@ class GlobalTensor(torch.Tensor):
         if TracingContext.try_get() is not None:
             _static_sizes(self)
             _static_sizes(self._local)
-        return ["_local"], (self._spec, self.requires_grad)
+        return ["_local"], (self._spec, self.requires_grad, self._copy_of is not None)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        spec, requires_grad = ctx
-        return GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
+        """A copied view (`sbp.ops.writes`) enters a traced graph without its base, which
+        the compiled code never writes: it is marked so that a write into it raises."""
+        spec, requires_grad, copied_view = ctx
+        out = GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
+        if copied_view:
+            out._copy_of = (None, None)
+        return out
 
     def _stable_hash_for_caching(self) -> str:
         """AOT autograd's on-disk cache key. Ranks trace different graphs for the same layout
@@ -120,7 +125,7 @@ class GlobalTensor(torch.Tensor):
         """A runtime gradient in another layout than the traced one is re-boxed to it."""
         if expected_type is not None:
             return None
-        spec, _ = ctx
+        spec = ctx[0]
         return self._rebox_for_tracing(spec.placement, spec.nd_sbp)
 
     def _rebox_for_tracing(self, placement, nd_sbp):

@@ -555,10 +555,9 @@ def test_staging_buffers_above_the_cap_are_not_kept():
     from sbp.kernels import reference
 
     sbp.boxing.empty_cache()
-    small = reference.staging(1024, torch.float32, torch.device("cpu"), "recv")
-    big = reference.staging(
-        reference.STAGING_LIMIT // 4 + 1, torch.float32, torch.device("cpu"), "send"
-    )
+    like = torch.ones(1, dtype=torch.float32)
+    small = reference.staging(1024, like, "recv")
+    big = reference.staging(reference.STAGING_LIMIT // 4 + 1, like, "send")
     kept = {key[0]: buf.numel() for key, buf in reference._staging.items()}
     assert small.numel() == 1024 and big.numel() == reference.STAGING_LIMIT // 4 + 1
     assert kept == {"recv": 1024}

@@ -91,12 +91,7 @@ def _group_step(step: Step, x: torch.Tensor, rank: int, owned: bool) -> tuple[to
             return x, owned
         return torch.zeros_like(x), True
     if a.is_split and b.is_partial:
-        out = torch.full(
-            after.local_shape(rank),
-            kernels.fill_value(x.dtype, b.op),
-            dtype=x.dtype,
-            device=x.device,
-        )
+        out = x.new_full(after.local_shape(rank), kernels.fill_value(x.dtype, b.op))
         start, _ = balanced_range(out.shape[a.dim], n, me)
         out.narrow(a.dim, start, x.shape[a.dim]).copy_(x)
         return out, True
@@ -104,7 +99,7 @@ def _group_step(step: Step, x: torch.Tensor, rank: int, owned: bool) -> tuple[to
 
 
 def _all_gather(x, dim, shapes, after, rank, group) -> torch.Tensor:
-    out = torch.empty(after.local_shape(rank), dtype=x.dtype, device=x.device)
+    out = x.new_empty(after.local_shape(rank))
     sizes = [s[dim] for s in shapes]
     pad = max(sizes)
     if pad * elements_per_index(out.shape, dim) == 0:
@@ -114,7 +109,7 @@ def _all_gather(x, dim, shapes, after, rank, group) -> torch.Tensor:
         comm.all_gather(out.view(-1), x.contiguous().view(-1), group)
         return out
     packed = kernels.pack_chunks(x, dim, [x.shape[dim]], pad_to=pad)
-    buf = kernels.staging(len(group) * packed.numel(), x.dtype, x.device, "recv")
+    buf = kernels.staging(len(group) * packed.numel(), x, "recv")
     comm.all_gather(buf, packed, group)
     return kernels.unpack_chunks(buf, shapes, dim, out, stride=packed.numel())
 
@@ -126,13 +121,13 @@ def _split_to_split(x, src_dim, dst_dim, shapes, after, rank, group, me) -> torc
     send_splits = [p * elements_per_index(x.shape, dst_dim) for p in parts]
     recv_shapes = [_with(s, dst_dim, parts[me]) for s in shapes]
     recv_splits = [math.prod(s) for s in recv_shapes]
-    out = torch.empty(after.local_shape(rank), dtype=x.dtype, device=x.device)
+    out = x.new_empty(after.local_shape(rank))
     if sum(math.prod(s) for s in shapes) == 0:
         return out
     if all(s == 1 for s in out.shape[:src_dim]):  # chunks arrive already in out's layout
         comm.all_to_all(out.view(-1), send, recv_splits, send_splits, group)
         return out
-    recv = kernels.staging(sum(recv_splits), x.dtype, x.device, "recv")
+    recv = kernels.staging(sum(recv_splits), x, "recv")
     comm.all_to_all(recv, send, recv_splits, send_splits, group)
     return kernels.unpack_chunks(recv, recv_shapes, src_dim, out)
 
@@ -148,7 +143,7 @@ def _partial_to_split(x, op, dim, group, me) -> torch.Tensor:
     send = kernels.pack_chunks(x, dim, parts)
     send_splits = [p * elements_per_index(x.shape, dim) for p in parts]
     chunk = math.prod(mine)
-    recv = kernels.staging(n * chunk, x.dtype, x.device, "recv")
+    recv = kernels.staging(n * chunk, x, "recv")
     comm.all_to_all(recv, send, [chunk] * n, send_splits, group)
     return kernels.reduce_chunks(
         [recv[i * chunk : (i + 1) * chunk].view(mine) for i in range(n)], op
@@ -161,7 +156,7 @@ def _transfer(step: Step, x: torch.Tensor, rank: int) -> torch.Tensor:
     wire = local_device(src.placement.type) if same_type else torch.device("cpu")
     target = local_device(dst.placement.type)
     out = (
-        torch.empty(dst.local_shape(rank), dtype=dst.dtype, device=target)
+        x.new_empty(dst.local_shape(rank), dtype=dst.dtype, device=target)
         if rank in dst.placement
         else None
     )
@@ -174,7 +169,7 @@ def _transfer(step: Step, x: torch.Tensor, rank: int) -> torch.Tensor:
             else:
                 sends.append((piece.to(wire).contiguous(), t.dst))
         elif t.dst == rank:
-            buf = torch.empty([hi - lo for lo, hi in t.box], dtype=dst.dtype, device=wire)
+            buf = x.new_empty([hi - lo for lo, hi in t.box], dtype=dst.dtype, device=wire)
             recvs.append((buf, t.src))
             places.append(_slices(t.box, dst.ranges(rank)))
     comm.exchange_p2p(sends, recvs)

@@ -232,7 +232,7 @@ def pack_chunks(
         return None
     outer, _, inner = _split(x.shape, dim)
     rows = [pad_to if pad_to is not None else s for s in sizes]
-    out = reference.staging(sum(rows) * outer * inner, x.dtype, x.device, "send")
+    out = reference.staging(sum(rows) * outer * inner, x, "send")
     if x.numel() == 0 or out.numel() == 0:
         return out
     row_bytes = inner * x.element_size()

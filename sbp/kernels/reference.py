@@ -25,7 +25,7 @@ def pack_chunks(
     if pack_is_view(x, dim, sizes, pad_to):
         return x.reshape(-1)
     rows = [pad_to if pad_to is not None else s for s in sizes]
-    out = staging(sum(rows) * rest, x.dtype, x.device, "send")
+    out = staging(sum(rows) * rest, x, "send")
     offset = start = 0
     for size, row in zip(sizes, rows, strict=True):
         chunk = x.narrow(dim, start, size)
@@ -48,22 +48,24 @@ STAGING_LIMIT = 64 * 2**20  # bytes: larger buffers are not kept (a 256 MiB conv
 _staging: dict = {}
 
 
-def staging(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> torch.Tensor:
-    """A scratch buffer kept between calls, valid until the next request for the same slot.
+def staging(numel: int, like: torch.Tensor, slot: str) -> torch.Tensor:
+    """A scratch buffer of `like`'s dtype and device, kept between calls, valid until the
+    next request for the same slot.
 
     Fresh CPU blocks of 32 MiB or more are mapped anew by glibc and fault on every first
     touch (about 25 ms per 32 MiB here, against 1.4 ms to refill a warm one); boxing
     stages through a few buffers per call, so reusing them is most of the cost at size.
     Buffers above `STAGING_LIMIT` are made per call and not kept, so memory does not stay
-    at a peak; `sbp.boxing.empty_cache()` frees the kept ones.
+    at a peak; `sbp.boxing.empty_cache()` frees the kept ones. A traced graph owns its
+    buffers, made like `like` (a fake tensor makes a fake one).
     """
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes > STAGING_LIMIT or tracing():  # a traced graph owns its buffers
-        return torch.empty(numel, dtype=dtype, device=device)
-    key = (slot, dtype, device)
+    nbytes = numel * like.element_size()
+    if nbytes > STAGING_LIMIT or tracing(like):
+        return like.new_empty(numel)
+    key = (slot, like.dtype, like.device)
     buf = _staging.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _staging[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = _staging[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 

@@ -104,9 +104,8 @@ def resize(func, args: tuple, kwargs: dict) -> Any:
         )
     if x._copy_of is not None:
         raise SbpSignatureError(
-            f"{func}: the tensor is a view sbp had to copy from its base (of sbp "
-            f"{x._copy_of[0].sbp}); resized to {size} it would no longer show a part of "
-            "the base. Resize a clone, or the base"
+            f"{func}: the tensor is a view sbp had to copy from its base; resized to {size} "
+            "it would no longer show a part of the base. Resize a clone, or the base"
         )
     spec = x._spec._replace(shape=size)
     if env.get_rank() in x.placement:

@@ -151,6 +151,13 @@ def written(g) -> Any:
     from sbp.errors import SbpSignatureError
 
     base, part = g._copy_of
+    if base is None:
+        raise SbpSignatureError(
+            f"an in-place write into a view of sbp {g.sbp} that sbp had to copy from its base "
+            "(a slice across a split dim, say), passed into a compiled function: the compiled "
+            "code cannot reach the base; pass the base and take the view inside, or pass "
+            "view.clone()"
+        )
     if part is None:
         raise SbpSignatureError(
             f"an in-place write into a view of sbp {g.sbp} that had to be copied from its base "
