@@ -249,3 +249,82 @@ def test_attention_dropout_on_the_cpu_runs_on_the_fast_path(pool2):
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
     ref_losses, *_ = _train("llama", None)  # (no dropout: the masks made a difference)
     assert fast[0][0] != pytest.approx(ref_losses, rel=1e-6)
+
+
+def _greedy_generate(world: int | None):
+    """GPT-2's greedy `generate` with its KV cache (passed back into the model every step),
+    on the logical batch or split over the ranks; and a decoding step by hand, the cache
+    the prefill returned passed back in."""
+    import sbp.nn
+
+    model = _model("gpt2").eval()
+    ids = torch.randint(1, VOCAB, (BATCH, 6), generator=torch.Generator().manual_seed(3))
+    options = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    if world is None:
+        with torch.no_grad():
+            prefill = model(ids[:, :5], use_cache=True)
+            step = model(ids[:, 5:], past_key_values=prefill.past_key_values, use_cache=True)
+            return model.generate(ids, **options), step.logits
+    P = sbp.placement("cpu", list(range(world)))
+    model.to_global(P, B)
+    sbp.nn.data_parallel(model)
+    g = sbp.to_global(ids[sbp.local_slices(ids.shape, P, S0, P.coord(sbp.env.get_rank()))], P, S0)
+    with torch.no_grad(), sbp.global_mode(P):
+        prefill = model(g[:, :5], use_cache=True)
+        step = model(g[:, 5:], past_key_values=prefill.past_key_values, use_cache=True)
+        return model.generate(g, **options).full_tensor(), step.logits.full_tensor()
+
+
+def test_greedy_generate_with_a_kv_cache(pool2):
+    """A cache passed into the model is written by its forward: the fast path's checking
+    pass filled it with global keys, and its local run added local ones, so generate()
+    with use_cache raised a PlacementError at its first step. Such a call runs op by op."""
+    want_tokens, want_logits = _greedy_generate(None)
+    for tokens, logits in pool2.run(_greedy_generate, 2):
+        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-9, atol=1e-12)
+
+
+def _checkpointed_training(world: int | None):
+    """GPT-2 trained with gradient checkpointing on (non-reentrant, as transformers sets it)."""
+    import sbp.nn
+
+    model = _model("gpt2")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # (its newer name)
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
+    model.train()
+    P = None if world is None else sbp.placement("cpu", list(range(world)))
+    if P is not None:
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, paths = [], []
+    for batch in _batches("gpt2"):
+        if P is not None:
+            me = P.coord(sbp.env.get_rank())
+            batch = {
+                k: sbp.to_global(v[sbp.local_slices(v.shape, P, S0, me)].contiguous(), P, S0)
+                for k, v in batch.items()
+            }
+        with sbp.global_mode(P) if P is not None else torch.enable_grad():
+            loss = model(**batch, use_cache=False).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        paths.append(None if P is None else sbp.nn.fast_path.state(model).last_path)
+    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
+    return losses, params, paths
+
+
+@pytest.mark.filterwarnings("ignore:sbp. GPT2LMHeadModel runs op by op while gradient")
+def test_gradient_checkpointing_trains_as_one_process(pool2):
+    """Checkpointing runs a block's forward again in backward, where the fast path's local
+    run had given the module its global parameters back (a PlacementError in backward):
+    while it is on, the model runs op by op."""
+    want_losses, want_params, _ = _checkpointed_training(None)
+    for losses, params, paths in pool2.run(_checkpointed_training, 2):
+        assert losses == pytest.approx(want_losses, rel=1e-6)  # (a float32 loss)
+        for got, want in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        assert paths == ["per-op", "per-op"]

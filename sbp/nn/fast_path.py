@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import itertools
 import threading
@@ -832,6 +833,29 @@ class _Slots:
                 table[name] = t
 
 
+_CONSTANT_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    enum.Enum,
+)
+
+
+def _is_constant(value: Any) -> bool:
+    """Is a plain argument a value the forward can only read (a flag, a number, a name)?
+    Any other object (a Hugging Face KV cache) may be written by the forward: the checking
+    pass would fill it with global tensors and the local run with local ones."""
+    if isinstance(value, tuple):
+        return all(_is_constant(v) for v in value)
+    return isinstance(value, _CONSTANT_TYPES)
+
+
 class DataParallel:
     """The fast path's state for one module (see the module docstring)."""
 
@@ -853,6 +877,7 @@ class DataParallel:
         self._numbers_seen: dict[tuple, int] = {}  # layout keys but for numbers: how many
         self._slots: _Slots | None = None
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
+        self._checkpointable: list[torch.nn.Module] = []  # (attribute gradient_checkpointing)
         self._dropouts: list[torch.nn.Module] = []  # the dropout ones
         self._reducer: gradients.Reducer | None = None
         self._reducer_key: tuple | None = None
@@ -882,13 +907,12 @@ class DataParallel:
         key, data_nd = self._layout_key(args, kwargs)
         if key is None or not self._params_broadcast():
             return self._per_op(args, kwargs, backend)
-        if self._slots.hooked():
-            if "hooks" not in self._warned:
-                self._warned.add("hooks")
+        why = self._per_op_reason()
+        if why is not None:
+            if why not in self._warned:
+                self._warned.add(why)
                 warnings.warn(
-                    f"sbp: {type(self._module_ref).__name__} runs op by op while a parameter "
-                    "has a gradient hook (register_hook, register_post_accumulate_grad_hook)",
-                    stacklevel=3,
+                    f"sbp: {type(self._module_ref).__name__} runs op by op {why}", stacklevel=3
                 )
             return self._per_op(args, kwargs, backend)
         layout = self._layouts.get(key)
@@ -979,6 +1003,20 @@ class DataParallel:
         shard_batch_norm.sync_statistics(self.shard_batch_norms, self.placement)
         return out
 
+    def _per_op_reason(self) -> str | None:
+        """Why a call must run op by op whatever its layout, or None. The local run would
+        pass a parameter's gradient hooks by; and gradient checkpointing (Hugging Face's
+        `gradient_checkpointing_enable()`) runs a block's forward again in backward, after
+        the local run gave the module its global parameters back."""
+        if self._slots.hooked():
+            return (
+                "while a parameter has a gradient hook (register_hook, "
+                "register_post_accumulate_grad_hook)"
+            )
+        if any(m.gradient_checkpointing is True and m.training for m in self._checkpointable):
+            return "while gradient checkpointing is on (it runs the forward again in backward)"
+        return None
+
     def _layout_key(self, args, kwargs) -> tuple[tuple | None, tuple]:
         """A hashable key of the call's layout, or None when it is not a data-parallel call:
         global inputs on the placement, split along dim 0 or broadcast, others plain values."""
@@ -995,13 +1033,9 @@ class DataParallel:
                     elif not s.is_broadcast:
                         return None, ()
                 key.append(spec)
-            elif isinstance(a, torch.Tensor):
+            elif not _is_constant(a):  # (a local tensor, a KV cache the forward writes into)
                 return None, ()
             else:
-                try:
-                    hash(a)
-                except TypeError:
-                    return None, ()
                 key.append((type(a), a))
         if not data:
             return None, ()
@@ -1016,6 +1050,9 @@ class DataParallel:
         self._slots = None
         allb = (broadcast,) * self.placement.ndim
         self._special = [m for m in self._module_ref.modules() if isinstance(m, SPECIAL_MODULES)]
+        self._checkpointable = [
+            m for m in self._module_ref.modules() if hasattr(m, "gradient_checkpointing")
+        ]
         self._dropouts = [m for m in self._special if not isinstance(m, BATCH_NORMS)]
         found = []
         for sub in self._module_ref.modules():
