@@ -52,6 +52,12 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
+        if torch.is_inference_mode_enabled() and not local.is_inference():
+            # a view of a normal tensor under inference_mode is a normal tensor, as in torch
+            # (an inference tensor cannot share its base's version counter); where sbp had
+            # to copy the view's local tensor, see `sbp.ops.registry.view_wrappers`
+            with torch.inference_mode(False):
+                return cls(local, spec, requires_grad)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             spec.shape,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import sbp
@@ -567,3 +568,45 @@ def test_an_in_place_op_reading_what_it_writes(pool4):
     for layout in (S0, S1, B):
         for value in pool4.run(_overlapping_in_place, layout):
             assert torch.equal(value, x), layout
+
+
+def _views_under_inference_mode():
+    P2 = sbp.placement("cpu", [0, 1])
+    x = torch.arange(24, dtype=torch.float64).view(4, 6)
+    got = []
+    for nd in (B, S0, S1):
+        g = sbp.tensor(x, placement=P2, sbp=nd)
+        with torch.inference_mode():
+            for op in (lambda t: t[:, 2:5], lambda t: t.view(24), lambda t: t.expand(2, 4, 6)):
+                out = op(g)
+                got.append(
+                    (out.full_tensor().clone(), op(x), out.is_inference(), op(x).is_inference())
+                )
+            added = g + 1
+            got.append((added.full_tensor().clone(), x + 1, added.is_inference(), True))
+    # the buffers collectives keep, first made under inference_mode, serve outside it too
+    after = sbp.tensor(x, placement=P2, sbp=S1).mul_(2).to_global(sbp=S0).full_tensor()
+    got.append((after, x * 2, False, False))
+    try:  # (torch's rule for the values made inside: no in-place write outside)
+        added.add_(1)
+        got.append("written")
+    except RuntimeError as e:
+        got.append(str(e))
+    return got
+
+
+def test_views_under_inference_mode(pool2):
+    """A view of a normal global tensor under torch.inference_mode() (BERT's
+    `self.position_ids[:, :n]` in eval) raised torch's "Cannot set version_counter for
+    inference tensor": its wrapper was an inference tensor. As in torch, such a view is a
+    normal tensor, a new result an inference tensor, which may not be written outside."""
+    x = torch.arange(3.0)
+    with torch.inference_mode():
+        y = x + 1
+    with pytest.raises(RuntimeError) as plain:
+        y.add_(1)
+    for got in pool2.run(_views_under_inference_mode):
+        for value, want, inference, want_inference in got[:-1]:
+            assert torch.equal(value, want)
+            assert inference == want_inference
+        assert got[-1] == str(plain.value)

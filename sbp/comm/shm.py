@@ -55,9 +55,10 @@ class Segment:
         n = len(ranks)
         self.me = ranks.index(env.get_rank())
         self.seq = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=0, strides=(LINE,))
-        self.slots = torch.frombuffer(
-            mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * SLOT_BYTES
-        ).view(2, n, SLOT_BYTES)
+        with torch.inference_mode(False):
+            self.slots = torch.frombuffer(
+                mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * SLOT_BYTES
+            ).view(2, n, SLOT_BYTES)
         self.others = [k for k in range(n) if k != self.me]
         self._view_cache: dict = {}
         self.calls = 0
@@ -71,8 +72,9 @@ class Segment:
         if views is None:
             if len(self._view_cache) > 512:
                 self._view_cache.clear()
-            rows = self.slots[parity, :, :nbytes].view(dtype)
-            parts = list(rows.unbind(0))
+            with torch.inference_mode(False):  # (kept: usable outside inference_mode too)
+                rows = self.slots[parity, :, :nbytes].view(dtype)
+                parts = list(rows.unbind(0))
             views = self._view_cache[key] = (parts[self.me], rows, parts)
         return views
 

@@ -65,7 +65,8 @@ def staging(numel: int, like: torch.Tensor, slot: str) -> torch.Tensor:
     key = (slot, like.dtype, like.device)
     buf = _staging.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _staging[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):  # (kept: usable outside inference_mode too)
+            buf = _staging[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 

@@ -11,6 +11,7 @@ learning rate never miss the cache. Ops with no rule fall back to broadcast.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import warnings
@@ -493,7 +494,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 out = func._op(*largs, **lkwargs)
         if d.direct_inplace:
             return written(flat[0])
-        out = GT(out, d.direct)
+        if copied:
+            with view_wrappers(flat[0]):
+                out = GT(out, d.direct)
+        else:
+            out = GT(out, d.direct)
         if copied or (d.view and flat[0]._copy_of is not None):  # writes go on to the base
             mark_view(func, *unflatten(flat, tree), [out], False, copied)
         return out
@@ -513,6 +518,22 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if is_inplace(func) and type(args[0]) is _global_type():
         written(args[0])  # (a view sbp had to copy passes the write on to its base)
     return out
+
+
+def _wrapped(global_type, leaves: list, specs: list) -> list:
+    return [
+        global_type(t, s) if s is not None and isinstance(t, torch.Tensor) else t
+        for t, s in zip(leaves, specs, strict=True)
+    ]
+
+
+def view_wrappers(base) -> Any:
+    """Where a view's wrappers are made: a view of a normal tensor under inference_mode is
+    a normal tensor in torch, also where sbp copied its local tensor (an inference tensor
+    then, which torch would refuse to give its base's version counter)."""
+    if torch.is_inference_mode_enabled() and not base.is_inference():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 def local_view(func, largs: tuple, lkwargs: dict) -> Any:
@@ -721,10 +742,11 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         if d.write_back:
             assign(self_, local_flat[gpos[0]], d.out_specs[0])
         return written(self_)  # (the op wrote into its local tensor: the layout is the input's)
-    wrapped = [
-        GlobalTensor(t, s) if s is not None and isinstance(t, torch.Tensor) else t
-        for t, s in zip(leaves, d.out_specs, strict=True)
-    ]
+    if d.view:
+        with view_wrappers(flat[gpos[0]]):
+            wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
+    else:
+        wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
     if d.view:
         args, kwargs = unflatten(flat, tree)
         mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
