@@ -521,6 +521,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _wrapped(global_type, leaves: list, specs: list) -> list:
+    """The output leaves made global where they have a spec."""
     return [
         global_type(t, s) if s is not None and isinstance(t, torch.Tensor) else t
         for t, s in zip(leaves, specs, strict=True)
@@ -742,14 +743,12 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
         if d.write_back:
             assign(self_, local_flat[gpos[0]], d.out_specs[0])
         return written(self_)  # (the op wrote into its local tensor: the layout is the input's)
-    if d.view:
-        with view_wrappers(flat[gpos[0]]):
-            wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
-    else:
+    if not d.view:
+        return unflatten_outputs(_wrapped(GlobalTensor, leaves, d.out_specs), d.out_tree)
+    with view_wrappers(flat[gpos[0]]):
         wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
-    if d.view:
-        args, kwargs = unflatten(flat, tree)
-        mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
+    args, kwargs = unflatten(flat, tree)
+    mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
 
 
