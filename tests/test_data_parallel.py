@@ -2050,6 +2050,50 @@ def test_a_number_that_changes_every_call_is_warned_about():
     torch.testing.assert_close(again, outs[0], rtol=0, atol=0)
 
 
+class ActivatedBy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x, activation, state=None):
+        out = activation(self.body(x))
+        if state is not None:  # (an object the forward writes into: a KV cache, say)
+            state.seen.append(out)
+        return out
+
+
+class _State:
+    def __init__(self):
+        self.seen = []
+
+
+def test_function_arguments_keep_the_fast_path_and_objects_run_op_by_op():
+    """A function passed to forward (torch.tanh, a Python function) is only read: the call
+    takes the fast path. Any other object may be written by the forward, and the checking
+    pass would fill it with global tensors, the local run with local ones: op by op."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    plain = ActivatedBy().double()
+    model = copy.deepcopy(plain).to_global(P, B)
+    x = _data(steps=1)[0][0]
+
+    def halved(t):
+        return t / 2
+
+    for activation in (torch.tanh, halved):
+        for _ in range(2):
+            out = model(_global(x, P), activation).full_tensor()
+            torch.testing.assert_close(out, plain(x, activation), rtol=1e-12, atol=1e-12)
+            assert sbp.nn.fast_path.state(model).last_path == "fast"
+    state = _State()
+    out = model(_global(x, P), torch.tanh, state)
+    assert sbp.nn.fast_path.state(model).last_path == "per-op"
+    assert [type(t) for t in state.seen] == [sbp.GlobalTensor]
+    torch.testing.assert_close(state.seen[0].full_tensor(), plain(x, torch.tanh))
+
+
 def _accumulate_op_by_op():
     """Three backward passes onto the same `.grad`s op by op: the collectives of each."""
     import sbp.nn

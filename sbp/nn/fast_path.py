@@ -69,6 +69,8 @@ LAYOUTS = 64  # input layouts remembered per module (LRU)
 NEW_NUMBERS_WARNED = 4  # layouts differing only in a number's value, before a warning
 # output values besides tensors that the local run may return as they are
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+# argument values besides tensors that the forward can only read (a flag, a name, a function)
+_CONSTANT_TYPES = (*_PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType)
 
 
 @dataclass
@@ -831,20 +833,6 @@ class _Slots:
         finally:
             for table, name, t in zip(self.tables, self.names, self.tensors, strict=True):
                 table[name] = t
-
-
-_CONSTANT_TYPES = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    enum.Enum,
-)
 
 
 def _is_constant(value: Any) -> bool:
