@@ -2329,3 +2329,43 @@ def test_no_sync_of_a_module_that_is_not_global_is_named():
     with pytest.raises(sbp.PlacementError, match="has no data-parallel fast path"):
         with sbp.nn.no_sync(torch.nn.Linear(2, 2)):
             pass
+
+
+class Checkpointed(torch.nn.Module):
+    """An MLP whose middle block runs again in backward (torch.utils.checkpoint)."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.middle = torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16)
+        )
+        self.head = torch.nn.Linear(16, 3)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        h = torch.utils.checkpoint.checkpoint(self.middle, h, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore:sbp. Checkpointed runs op by op")
+@pytest.mark.parametrize("use_reentrant,compiled", [(False, None), (True, None), (True, "local")])
+def test_torch_utils_checkpoint_in_a_forward_trains_as_one_process(
+    pool2, use_reentrant, compiled
+):
+    """The recomputation in backward comes after the local run gave the module its global
+    parameters back (a PlacementError there): the first local run sees the checkpoint and
+    the module runs op by op, where the recomputation is global too. A compiled local
+    forward recomputes on local tensors: it keeps the fast path."""
+    data = _data()
+    make = functools.partial(Checkpointed, use_reentrant)
+    want_losses, want_params, *_ = _train(make, None, None, None, data)
+    P = sbp.placement("cpu", [0, 1])
+    options = {"backend": "aot_eager"} if compiled else None
+    results = pool2.run(_train, make, P, S0, True, data, compile_local=options)
+    for losses, params, _, paths, _ in results:
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for got, want in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert paths == ["fast" if compiled else "per-op"] * len(data)

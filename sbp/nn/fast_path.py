@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError, PlacementError
 from sbp.layout import GlobalSpec
-from sbp.nn import outputs, row_wise_calls, shard_batch_norm
+from sbp.nn import outputs, recomputation, row_wise_calls, shard_batch_norm
 from sbp.nn.names_replaced import NamesReplaced
 from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
@@ -956,14 +956,21 @@ class DataParallel:
         and the others are inside the run's collectives."""
         expected, layout.expected = layout.expected, None
         undo = _Undo(self._slots.buffers, args, kwargs)
-        out = self._run_local(args, kwargs, layout, data_nd, backend)
+        eager = self._eager(backend)
+        watch = recomputation.Recomputation() if eager and torch.is_grad_enabled() else None
+        with watch or contextlib.nullcontext():
+            out = self._run_local(args, kwargs, layout, data_nd, backend)
         why = ""
-        if expected is not None and self._eager(backend):
-            got = [t._local for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
-            why = _differs("output", got, expected[0])
-            if not why and not (self.batch_norm == "local" and len(self.group(data_nd)) > 1):
-                # (per-shard statistics are the first rank's only once broadcast)
-                why = _differs("buffer", [b._local for b in self._slots.buffers], expected[1])
+        if eager:
+            leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
+            got = [t._local for t in leaves]
+            if watch is not None and watch.found(leaves):
+                why = recomputation.REASON
+            elif expected is not None:
+                why = _differs("output", got, expected[0])
+                if not why and not (self.batch_norm == "local" and len(self.group(data_nd)) > 1):
+                    # (per-shard statistics are the first rank's only once broadcast)
+                    why = _differs("buffer", [b._local for b in self._slots.buffers], expected[1])
         flag = torch.tensor([float(bool(why))])  # (every rank of the placement goes one way)
         if comm.all_reduce(flag, "max", self.placement.flat_ranks).item() == 0:
             layout.tried = True
