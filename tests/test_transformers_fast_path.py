@@ -5,6 +5,8 @@ equal one process on the logical batch (float64), and run on the local shards.""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -251,6 +253,13 @@ def test_attention_dropout_on_the_cpu_runs_on_the_fast_path(pool2):
     assert fast[0][0] != pytest.approx(ref_losses, rel=1e-6)
 
 
+def _cache_of(model, out) -> dict:
+    """`out`'s KV cache as the keyword argument the model takes (transformers 5.x renamed
+    `past_key_values=` to `cache=`)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: out.past_key_values}
+
+
 def _greedy_generate(world: int | None):
     """GPT-2's greedy `generate` with its KV cache (passed back into the model every step),
     on the logical batch or split over the ranks; and a decoding step by hand, the cache
@@ -263,7 +272,7 @@ def _greedy_generate(world: int | None):
     if world is None:
         with torch.no_grad():
             prefill = model(ids[:, :5], use_cache=True)
-            step = model(ids[:, 5:], past_key_values=prefill.past_key_values, use_cache=True)
+            step = model(ids[:, 5:], **_cache_of(model, prefill), use_cache=True)
             return model.generate(ids, **options), step.logits
     P = sbp.placement("cpu", list(range(world)))
     model.to_global(P, B)
@@ -271,7 +280,7 @@ def _greedy_generate(world: int | None):
     g = sbp.to_global(ids[sbp.local_slices(ids.shape, P, S0, P.coord(sbp.env.get_rank()))], P, S0)
     with torch.no_grad(), sbp.global_mode(P):
         prefill = model(g[:, :5], use_cache=True)
-        step = model(g[:, 5:], past_key_values=prefill.past_key_values, use_cache=True)
+        step = model(g[:, 5:], **_cache_of(model, prefill), use_cache=True)
         return model.generate(g, **options).full_tensor(), step.logits.full_tensor()
 
 
