@@ -105,6 +105,7 @@ def save(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
     """
     import torch.distributed.checkpoint as dcp
 
+    _check_state(state, "save")
     with torch.no_grad():
         sd = {k: _map_tensors(_state_dict_of(v), _reduced) for k, v in state.items()}
     _run(dcp.save, sd, checkpoint_dir, "save")
@@ -130,12 +131,29 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
         partials.append((t, tmp))
         return tmp
 
-    _check_exists(checkpoint_dir)
-    for v in state.values():
+    _check_state(state, "load")
+    saved = _saved_keys(checkpoint_dir)
+    created = []  # (optimizer, the parameters given state here): taken back if the load fails
+    sd = {}
+    for k, v in state.items():
+        kept = None
         if isinstance(v, torch.optim.Optimizer):
-            _init_optimizer_state(v)
-    sd = {k: _map_tensors(_state_dict_of(v), loadable) for k, v in state.items()}
-    _run(dcp.load, sd, checkpoint_dir, "load")
+            kept = _saved_parameter_states(saved, k)
+            created.append((v, _init_optimizer_state(v, kept)))
+        sd[k] = _map_tensors(_state_dict_of(v, kept), loadable)
+    try:
+        _run(dcp.load, sd, checkpoint_dir, "load")
+    except BaseException:
+        for optimizer, params in created:
+            for p in params:
+                optimizer.state.pop(p, None)
+        raise
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and not isinstance(sd[k], torch.Tensor):
+            raise CheckpointError(
+                f"sbp.checkpoint.load: {k!r} is a tensor here but the checkpoint holds a "
+                f"{type(sd[k]).__name__} under that name"
+            )
     with torch.no_grad():
         for target, tmp in partials:  # broadcast -> partial is local: no communication
             target._local.copy_(tmp.to_global(sbp=target.sbp)._local)
@@ -151,11 +169,22 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
             state[k] = loaded  # type: ignore[index]
 
 
-def _state_dict_of(v: Any) -> Any:
+def _check_state(state: Any, what: str) -> None:
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"sbp.checkpoint.{what}: state must be a dict of names to modules, optimizers, "
+            f"tensors and Python values, got a {type(state).__name__}"
+        )
+
+
+def _state_dict_of(v: Any, kept: set[int] | None = None) -> Any:
+    """What DCP saves or loads of `v`; of an optimizer, only the parameter states in `kept`
+    (on load: those the checkpoint holds) where given."""
     if isinstance(v, torch.optim.Optimizer):
         osd = v.state_dict()
         # DCP turns every key into a string; make that explicit, and undo it on load.
-        return {"state": {str(k): s for k, s in osd["state"].items()}, **_rest(osd, "state")}
+        states = {str(k): s for k, s in osd["state"].items() if kept is None or k in kept}
+        return {"state": states, **_rest(osd, "state")}
     if hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
         return v.state_dict()
     return v
@@ -187,45 +216,78 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
 
 
 @torch.no_grad()
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create an optimizer's state (momentum, moments, step) so that a load can fill it.
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, wanted: set[int]) -> list:
+    """Create the state (momentum, moments, step) of each parameter in `wanted` (indices
+    of the optimizer's state dict) that has none, so that a load can fill it; return
+    those parameters.
 
-    As torch.distributed.checkpoint.state_dict does: one step with zero gradients and a
-    learning rate of 0, which leaves the parameters as they are. Gradients the parameters
-    hold (a load after a backward) are put back after it; torch skips the step then, and
-    the load would leave the state empty, silently.
+    As torch.distributed.checkpoint.state_dict does: one step with a learning rate of 0,
+    zero gradients for those parameters and none for the others (torch skips them), which
+    leaves every parameter as it is. Gradients the parameters hold (a load after a
+    backward) are put back after it.
     """
-    if optimizer.state:
-        return
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = {id(p) for i, p in enumerate(params) if i in wanted and p not in optimizer.state}
+    if not missing:
+        return []
     held = [p.grad for p in params]
     for p in params:
-        p.grad = torch.zeros_like(p) if p.requires_grad else None
+        p.grad = torch.zeros_like(p) if id(p) in missing else None
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    for p, grad in zip(params, held, strict=True):
-        p.grad = grad
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+    return [p for p in params if id(p) in missing]
 
 
-def _check_exists(checkpoint_dir: str | os.PathLike) -> None:
-    """Every rank learns which ranks see no checkpoint there, and all raise alike."""
+def _saved_parameter_states(saved: set[str], key: str) -> set[int]:
+    """The indices of the parameter states that optimizer `key` has in the checkpoint
+    (DCP names them `key.state.<index>.<name>`)."""
+    prefix = f"{key}.state."
+    return {
+        int(index)
+        for name in saved
+        if name.startswith(prefix)
+        for index in [name[len(prefix) :].split(".", 1)[0]]
+        if index.isdigit()
+    }
+
+
+def _saved_keys(checkpoint_dir: str | os.PathLike) -> set[str]:
+    """The names the checkpoint holds (its metadata); every rank learns which ranks could
+    not read them, and all raise alike."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     d = os.fspath(checkpoint_dir)
-    missing = not (os.path.isdir(d) and any(n.endswith(".metadata") for n in os.listdir(d)))
-    flags = [missing]
+    keys: set[str] = set()
+    problem = None  # (what failed, why)
+    if not (os.path.isdir(d) and any(n.endswith(".metadata") for n in os.listdir(d))):
+        problem = ("no checkpoint there (no .metadata file)", "")
+    else:
+        try:
+            keys = set(FileSystemReader(d).read_metadata().state_dict_metadata)
+        except Exception as e:  # (a truncated or foreign .metadata file)
+            problem = ("reading its .metadata failed", f": {type(e).__name__}: {e}"[:400])
+    problems = [problem]
     if env.is_distributed():
         import torch.distributed as dist
 
-        flags = [None] * env.get_world_size()
-        dist.all_gather_object(flags, missing)
-    if any(flags):
-        ranks = [r for r, f in enumerate(flags) if f]
-        raise CheckpointError(
-            f"sbp.checkpoint.load({d!r}): no checkpoint there (no .metadata file) on ranks {ranks}"
-        )
+        problems = [None] * env.get_world_size()
+        dist.all_gather_object(problems, problem)
+    if any(problems):
+        ranks: dict[tuple, list[int]] = {}
+        for rank, p in enumerate(problems):
+            if p:
+                ranks.setdefault(tuple(p), []).append(rank)
+        text = "; ".join(f"{what} on ranks {r}{why}" for (what, why), r in ranks.items())
+        raise CheckpointError(f"sbp.checkpoint.load({d!r}): {text}")
+    return keys
 
 
 def _run(fn: Any, sd: dict, checkpoint_dir: str | os.PathLike, what: str) -> None:
@@ -291,18 +353,21 @@ def load_training_state(
 def full_state_dict(obj: Any, *, rank: int | None = None) -> Any:
     """Plain tensors of the logical values of a module's (or any nested) state dict.
 
-    `rank=None`: every rank gets them (all-gather). `rank=r`: only rank `r` does and the
-    others get an empty dict, so only one rank holds the whole model (a gather to `r`).
+    `rank=None`: every rank of the world gets them (an all-gather; ranks outside a
+    tensor's placement too). `rank=r`: only rank `r` does and the others get an empty
+    dict, so only one rank holds the whole model (a gather to `r`).
     """
     sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
     me = env.get_rank()
+    world = list(range(env.get_world_size()))
 
     def plain(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, GlobalTensor):
             return t.detach()
-        if rank is None:
+        if rank is None and sorted(t.placement.flat_ranks) == world:
             return t.full_tensor()
-        return t.to_global(Placement(t.placement.type, [rank]), broadcast).to_local()
+        to = world if rank is None else [rank]
+        return t.to_global(Placement(t.placement.type, to), broadcast).to_local()
 
     out = _map_tensors(sd, plain)
     return out if rank is None or me == rank else {}

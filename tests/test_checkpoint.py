@@ -246,8 +246,7 @@ def _train_global(
 ):
     """Data-parallel steps on the whole world; fc1.weight split(0) over ranks if asked;
     with `held`, the parameters hold gradients (of a backward) when the state is loaded."""
-    me, world = sbp.env.get_rank(), sbp.env.get_world_size()
-    P = sbp.placement("cpu", list(range(world)))
+    P = sbp.placement.all("cpu")
     model = _model().to_global(P, B)  # then fc1.weight re-split (to_global re-boxes globals)
     if split_fc1:
         w = model.fc1.weight.detach()
@@ -261,14 +260,19 @@ def _train_global(
     if held:
         assert len(opt.state) == len(list(model.parameters()))
     for i in steps:
-        x, y = batches[i]
-        part = sbp.local_slices(x.shape, P, S0, P.coord(me))
-        loss = F.mse_loss(model(sbp.to_global(x[part], P, S0)), sbp.to_global(y[part[:1]], P, S0))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        _global_step(model, opt, P, batches[i])
     sbp.checkpoint.save_training_state(save_dir, model, opt, steps.stop)
     return [p.full_tensor() for p in model.parameters()], tuple(model.fc1.weight.sbp)
+
+
+def _global_step(model, opt, P, batch) -> None:
+    """One data-parallel step on the logical `batch`, split(0) over `P`."""
+    x, y = batch
+    part = sbp.local_slices(x.shape, P, S0, P.coord(sbp.env.get_rank()))
+    loss = F.mse_loss(model(sbp.to_global(x[part], P, S0)), sbp.to_global(y[part[:1]], P, S0))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
 
 
 def _train_one_process(opt_name: str):
@@ -310,6 +314,62 @@ def test_resume_into_parameters_holding_gradients(opt_name, pool2, tmp_path):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_resume_from_a_checkpoint_saved_before_the_first_step(opt_name, pool2, tmp_path):
+    """At step 0 the optimizer has no state: the load gives it none (before: it made state
+    to fill and DCP asked the checkpoint for it, 'Missing key' on every rank)."""
+    a, b = (str(tmp_path / n) for n in "ab")
+    pool2.run(_train_global, opt_name, None, a, range(0, 0), False)
+    params, _ = pool2.run(_train_global, opt_name, a, b, range(0, 6), False)[0]
+    for got, ref in zip(params, _train_one_process(opt_name), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def _train_fc2_frozen_before_3(opt_name: str, load_dir, save_dir, steps: range):
+    """Steps with fc2 frozen before step 3, so that only fc1 has optimizer state then.
+    Before a load, the optimizer steps once with fc1 frozen: it holds fc2's state alone,
+    which the checkpoint lacks, and lacks fc1's, which the checkpoint holds. Returns the
+    logical parameters (plain in one process) and the state's indices after the load."""
+    P = sbp.placement.all("cpu") if sbp.env.is_distributed() else None
+    model = _model() if P is None else _model().to_global(P, B)
+    opt = _optimizer(opt_name, model.parameters())
+    batches = _batches()
+    loaded = None
+    if load_dir is not None:
+        model.fc1.requires_grad_(False)
+        _global_step(model, opt, P, batches[0])
+        model.fc1.requires_grad_(True)
+        sbp.checkpoint.load({"model": model, "optim": opt}, load_dir)
+        loaded = sorted(opt.state_dict()["state"])
+    for i in steps:
+        model.fc2.requires_grad_(i >= 3)
+        if P is None:
+            opt.zero_grad()
+            F.mse_loss(model(batches[i][0]), batches[i][1]).backward()
+            opt.step()
+        else:
+            _global_step(model, opt, P, batches[i])
+    if save_dir is not None:
+        sbp.checkpoint.save({"model": model, "optim": opt}, save_dir)
+    params = [p.detach() if P is None else p.full_tensor() for p in model.parameters()]
+    return params, loaded
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_resume_where_parameters_had_no_optimizer_state(opt_name, pool2, tmp_path):
+    """A parameter with no state in the checkpoint (frozen, or never given a gradient) has
+    none after the load, whatever the target held, and one with state gets it even where
+    the target had stepped others already (before: 'Missing key', or fc1's momentum and
+    moments silently dropped)."""
+    a = str(tmp_path / "a")
+    pool2.run(_train_fc2_frozen_before_3, opt_name, None, a, range(0, 3))
+    for params, loaded in pool2.run(_train_fc2_frozen_before_3, opt_name, a, None, range(3, 6)):
+        assert loaded == [0, 1]  # fc1's weight and bias
+        want, _ = _train_fc2_frozen_before_3(opt_name, None, None, range(0, 6))
+        for got, ref in zip(params, want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
 # ---------------------------------------------------------------- failures
 
 
@@ -343,6 +403,66 @@ def test_truncated_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path)
         path.write_bytes(path.read_bytes()[:100])
         for message in pool2.run(_load_expecting_error, str(directory), timeout=60):
             assert "failed on ranks" in message and victim.strip("._") in message
+
+
+def _failed_loads(directory: str) -> list:
+    """Loads that fail on every rank, each leaving its targets as they were: an optimizer
+    into a checkpoint without one (then one step, which must be a fresh optimizer's), a
+    tensor where a Python value was saved, and a state that is not a dict."""
+    P = sbp.placement.all("cpu")
+    model = _model().to_global(P, B)
+    sbp.checkpoint.save({"model": model, "n": 3}, directory)
+    opt = _optimizer("adamw", model.parameters())
+    messages = []
+    with pytest.raises(CheckpointError) as info:
+        sbp.checkpoint.load({"model": model, "optim": opt}, directory)
+    messages.append(str(info.value))
+    empty = len(opt.state) == 0
+    _global_step(model, opt, P, _batches()[0])
+    target = sbp.zeros(2, placement=P, sbp=B, dtype=torch.float64)
+    with pytest.raises(CheckpointError) as info:
+        sbp.checkpoint.load({"n": target}, directory)
+    messages.append(str(info.value))
+    for bad in ([model], model):
+        with pytest.raises(CheckpointError) as info:
+            sbp.checkpoint.save(bad, directory)
+        messages.append(str(info.value))
+    return empty, [p.full_tensor() for p in model.parameters()], messages
+
+
+def test_a_failed_load_leaves_its_targets_as_they_were(pool2, tmp_path):
+    """(Before: the optimizer kept the state made to be filled, a first step taken, so the
+    next step was Adam's second; a tensor target silently stayed as it was; a list for the
+    state raised AttributeError.)"""
+    model = _model()
+    opt = _optimizer("adamw", model.parameters())
+    x, y = _batches()[0]
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    for empty, params, messages in pool2.run(_failed_loads, str(tmp_path / "a")):
+        assert empty
+        for got, ref in zip(params, model.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+        missing, wrong_type, not_a_dict, a_module = messages
+        assert "failed on ranks [0, 1]" in missing and "param_groups" in missing
+        assert "'n' is a tensor here" in wrong_type and "int" in wrong_type
+        assert "must be a dict" in not_a_dict and "list" in not_a_dict
+        assert "must be a dict" in a_module and "MLP" in a_module
+
+
+def _full_state_dict_off_the_placement():
+    model = _model().to_global(sbp.placement("cpu", [1]), B)
+    return sbp.checkpoint.full_state_dict(model)
+
+
+def test_full_state_dict_on_ranks_outside_the_placement(pool2):
+    """rank=None gives every rank of the world the logical values (before: empty tensors
+    on ranks outside the model's placement)."""
+    want = _model().state_dict()
+    for got in pool2.run(_full_state_dict_off_the_placement):
+        assert got.keys() == want.keys()
+        for key, value in got.items():
+            torch.testing.assert_close(value, want[key], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- plain hand-off

@@ -1885,6 +1885,26 @@ def test_compile_local_with_logical_batch_norm_runs_eagerly(pool2):
         assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
 
 
+def test_bucket_size_is_checked():
+    """A bucket size that is not a positive number of megabytes names `bucket_mb` (before:
+    int() of "25" * 10**6 raised ValueError, inf OverflowError, and 0 and -1 passed)."""
+    import sbp.nn
+
+    model = MLP().double().to_global(sbp.placement("cpu", [0]), B)
+    for bad in ("25", float("nan"), float("inf"), 0, -1, True):
+        with pytest.raises(sbp.SbpError, match="bucket_mb"):
+            sbp.nn.data_parallel(model, bucket_mb=bad)
+    sbp.nn.data_parallel(model, bucket_mb=0.001)  # (about one kilobyte: a bucket per layer)
+    assert sbp.nn.fast_path.state(model).bucket_bytes == int(0.001 * 2**20)
+    x, y = _data(steps=1)[0]
+    _loss(model, x, y, sbp.placement("cpu", [0])).backward()
+    plain = MLP().double()
+    plain.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    F.cross_entropy(plain(x), y).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-12, atol=1e-14)
+
+
 def test_compile_option_is_checked():
     import sbp.nn
 

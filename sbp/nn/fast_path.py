@@ -1594,6 +1594,9 @@ def data_parallel(
     if fast is not None:
         s.enabled = bool(fast)
     if bucket_mb is not None:
+        number = isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
+        if not (number and 0 < bucket_mb < float("inf")):
+            raise SbpError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
         s.bucket_bytes = int(bucket_mb * 2**20)
         s._reducer_key = None
     return module
