@@ -2371,9 +2371,7 @@ class Checkpointed(torch.nn.Module):
 
 @pytest.mark.filterwarnings("ignore:sbp. Checkpointed runs op by op")
 @pytest.mark.parametrize("use_reentrant,compiled", [(False, None), (True, None), (True, "local")])
-def test_torch_utils_checkpoint_in_a_forward_trains_as_one_process(
-    pool2, use_reentrant, compiled
-):
+def test_torch_utils_checkpoint_in_a_forward_trains_as_one_process(pool2, use_reentrant, compiled):
     """The recomputation in backward comes after the local run gave the module its global
     parameters back (a PlacementError there): the first local run sees the checkpoint and
     the module runs op by op, where the recomputation is global too. A compiled local
