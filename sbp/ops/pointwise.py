@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sbp.ops.registry import Call, Strategy, register_strategy, register_when
+from sbp.ops.registry import Call, Strategy, register_strategy, register_when, scalar_class
 from sbp.signature import broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -170,10 +170,26 @@ def nonlinear(call: Call) -> list[Strategy]:
 def scaling(call: Call) -> list[Strategy]:
     """Linear in its one global input: a partial sum stays partial."""
     cands = split_candidates(call)
-    if len(call.specs) == 1 or call.func in (aten.copy_.default,):
+    if (len(call.specs) == 1 or call.func in (aten.copy_.default,)) and _scales_parts(call):
         n_out = sum(m is not None for m in call.out_meta)
         cands.append(Strategy((partial_sum,) * len(call.specs), (partial_sum,) * n_out))
     return cands
+
+
+def _scales_parts(call: Call) -> bool:
+    """Is a partial sum times (or over) the call's constant factor, a number or a 0-dim
+    CPU tensor, its parts times it? Not for an infinite or NaN factor, nor dividing by
+    zero: the parts' +inf and -inf (or 0/0) add up to NaN where the sum's result is an
+    infinity. (A global factor's values are not read: docs/api.md.)"""
+    packet = call.func.overloadpacket
+    if packet not in (aten.mul, aten.mul_, aten.div, aten.div_):
+        return True
+    for factor in call.args[:2]:
+        if type(factor) in (int, float, complex) or type(factor) is torch.Tensor:
+            kind = scalar_class(factor)
+            if kind == "not finite" or (kind == "zero" and packet in (aten.div, aten.div_)):
+                return False
+    return True
 
 
 @register_strategy(*ADDITIVE)
@@ -191,6 +207,8 @@ def product(call: Call) -> list[Strategy]:
     not one rounded by `rounding_mode`: the parts' floors do not sum to the sum's)."""
     cands = split_candidates(call)
     if call.func in QUOTIENTS and call.arg(2, "rounding_mode") is not None:
+        return cands
+    if not _scales_parts(call):
         return cands
     n = len(call.specs)
     positions = [0] if call.func.overloadpacket in (aten.div, aten.div_) else range(n)

@@ -136,23 +136,16 @@ def vector_norm(func, args, kwargs):
         k: v for k, v in kwargs.items() if k != "ord"
     }
     x = without_partials(x)
+    dtype = rest.get("dtype")  # (torch casts the input to it first)
+    a = (x if dtype is None else x.to(dtype)).abs()  # (real: |z| of a complex z)
+    dim, keepdim = rest.get("dim"), rest.get("keepdim", False)
     if ord_ in (float("inf"), float("-inf")):
-        out = (
-            x.abs().amax(dim=rest.get("dim"), keepdim=rest.get("keepdim", False))
-            if ord_ > 0
-            else x.abs().amin(dim=rest.get("dim"), keepdim=rest.get("keepdim", False))
-        )
+        out = a.amax(dim=dim, keepdim=keepdim) if ord_ > 0 else a.amin(dim=dim, keepdim=keepdim)
         return _finish(out, None)
     if ord_ == 0:
-        out = (x != 0).to(x.dtype).sum(dim=rest.get("dim"), keepdim=rest.get("keepdim", False))
-        return _finish(out, None)
-    powered = x.abs().pow(ord_) if ord_ != 2 else x * x
-    dim = rest.get("dim")
-    out = powered.sum(
-        dim=dim if dim is not None else list(range(x.dim())), keepdim=rest.get("keepdim", False)
-    )
-    if rest.get("dtype") is not None:
-        out = out.to(rest["dtype"])
+        return _finish((a != 0).to(a.dtype).sum(dim=dim, keepdim=keepdim), None)
+    powered = a * a if ord_ == 2 else a.pow(ord_)
+    out = powered.sum(dim=dim if dim is not None else list(range(x.dim())), keepdim=keepdim)
     return _finish(out, 1.0 / ord_)
 
 

@@ -402,9 +402,9 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
                     "model code makes itself (torch.empty, arange, torchvision's stochastic "
                     "depth) is global under `with sbp.global_mode(placement):`"
                 )
-            key.append(("t", tuple(a.shape), a.dtype))
+            key.append(("t", tuple(a.shape), a.dtype, scalar_class(a)))
         elif type(a) is float:
-            key.append(float)
+            key.append(float if a and a - a == 0 else (float, scalar_class(a)))
         elif type(a) is bool:
             key.append((bool, a))
         else:
@@ -412,6 +412,20 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
     if implicit:
         local_constants.replicate_locals(func, flat, implicit, key, gpos, placement)
     return tuple(key), gpos
+
+
+def scalar_class(v: Any) -> str | None:
+    """ "zero" or "not finite" for a scalar (a Python number, or a 0-dim CPU tensor of floats:
+    a wrapped number, read without a device sync), else None. Rules may depend on it (a
+    partial sum scaled by it stays partial only where it is finite, and nonzero to divide
+    by), so the decision cache keys on it."""
+    if isinstance(v, torch.Tensor):
+        if v.dim() or v.device.type != "cpu" or not (v.is_floating_point() or v.is_complex()):
+            return None
+        v = v.item()
+    if v - v != 0:
+        return "not finite"
+    return "zero" if v == 0 else None
 
 
 _resolved: dict = {}
