@@ -856,14 +856,10 @@ def test_decisions_of_calls_alike_when_flattened_are_kept_apart(pool2):
             torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
 
 
-def _norms_and_scaled_partial_sums(nd):
-    """Complex and dtype-cast vector norms, and partial sums scaled by numbers that do not
-    scale their parts (infinite, NaN, zero to divide by), each a logical value."""
-    P = sbp.placement("cpu", [0, 1])
-    g = torch.Generator().manual_seed(0)
-    z = sbp.tensor(torch.randn(5, 3, generator=g, dtype=torch.complex128), P, nd)
-    x = sbp.tensor(torch.randn(5, 3, generator=g, dtype=torch.float32), P, nd)
-    norms = [
+def _norms_and_scalings(z, x, s, t) -> list:
+    """Complex and dtype-cast vector norms of `z` and `x`, and sums `s` and `t` scaled by
+    numbers that do not scale a partial sum's parts (infinite, NaN, zero to divide by)."""
+    return [
         torch.linalg.vector_norm(z, dim=0),
         z.norm(),
         torch.linalg.vector_norm(z, 3),
@@ -872,13 +868,24 @@ def _norms_and_scaled_partial_sums(nd):
         torch.linalg.vector_norm(x, float("-inf"), dim=0, dtype=torch.float64),
         torch.linalg.vector_norm(x, 0, dtype=torch.float64),
         torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float64),
+        *(s / 0.0, s * float("inf"), s * float("nan"), s / 2.0, s * 0.0, t / 0.0, -t / 0),
+        *(s.div(0.0), torch.mul(s, float("-inf")), s.clone().div_(0.0)),
     ]
-    one = sbp.tensor(torch.tensor([2.0, -0.5, 1.0], dtype=torch.float64), P, nd)
-    single = sbp.tensor(torch.tensor([2.0], dtype=torch.float64), P, nd)  # (a rank holds none)
-    s, t = one.sum(), single.sum()
-    scaled = [s / 0.0, s * float("inf"), s * float("nan"), s / 2.0, s * 0.0, t / 0.0, -t / 0]
-    scaled += [s.div(0.0), torch.mul(s, float("-inf")), s.clone().div_(0.0)]
-    return [(o.dtype, o.full_tensor()) for o in norms + scaled]
+
+
+def _logical_norm_inputs() -> tuple:
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 3, generator=g, dtype=torch.complex128)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float32)
+    ones = torch.tensor([2.0, -0.5, 1.0], dtype=torch.float64)
+    return z, x, ones, torch.tensor([2.0], dtype=torch.float64)  # (a rank holds none of it)
+
+
+def _norms_and_scaled_partial_sums(nd):
+    P = sbp.placement("cpu", [0, 1])
+    z, x, ones, single = (sbp.tensor(t, P, nd) for t in _logical_norm_inputs())
+    outs = _norms_and_scalings(z, x, ones.sum(), single.sum())
+    return [(o.dtype, o.full_tensor()) for o in outs]
 
 
 @pytest.mark.parametrize("nd", [S0, B])
@@ -886,22 +893,8 @@ def test_norms_of_complex_tensors_and_partial_sums_scaled_by_infinities(pool2, n
     """vector_norm squared a complex tensor (z * z, not |z|^2: complex, wrong values) and
     ignored dtype= for inf and 0 orders; a partial sum over zero or times an infinity kept
     partial, its parts' infinities adding up to NaN where torch gives an infinity."""
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(5, 3, generator=g, dtype=torch.complex128)
-    x = torch.randn(5, 3, generator=g, dtype=torch.float32)
-    s, t = torch.tensor([2.0, -0.5, 1.0], dtype=torch.float64).sum(), torch.tensor(2.0).double()
-    want = [
-        torch.linalg.vector_norm(z, dim=0),
-        z.norm(),
-        torch.linalg.vector_norm(z, 3),
-        torch.linalg.vector_norm(z, float("inf"), dim=1),
-        torch.linalg.vector_norm(x, float("inf"), dtype=torch.float64),
-        torch.linalg.vector_norm(x, float("-inf"), dim=0, dtype=torch.float64),
-        torch.linalg.vector_norm(x, 0, dtype=torch.float64),
-        torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float64),
-    ]
-    want += [s / 0.0, s * float("inf"), s * float("nan"), s / 2.0, s * 0.0, t / 0.0, -t / 0]
-    want += [s.div(0.0), torch.mul(s, float("-inf")), s.clone().div_(0.0)]
+    z, x, ones, single = _logical_norm_inputs()
+    want = _norms_and_scalings(z, x, ones.sum(), single.sum())
     for outs in pool2.run(_norms_and_scaled_partial_sums, nd):
         for (dtype, got), w in zip(outs, want, strict=True):
             assert dtype == w.dtype
