@@ -2387,3 +2387,39 @@ def test_torch_utils_checkpoint_in_a_forward_trains_as_one_process(pool2, use_re
         for got, want in zip(params, want_params, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         assert paths == ["fast" if compiled else "per-op"] * len(data)
+
+
+def _far_from_zero_batch():
+    """A column of years (mean 2020, spread 1e-3: a shifted sum's square loses it all)."""
+    g = torch.Generator().manual_seed(4)
+    x = 2020 + 1e-3 * torch.randn(9, 4, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 3, (9,), generator=g)
+
+
+def _batch_norm_far_from_zero(world, fast):
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3)).double()
+    x, y = _far_from_zero_batch()
+    if world is not None:
+        P = sbp.placement("cpu", list(range(world)))
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model, fast=fast)
+        x, y = _global(x, P), _global(y, P)
+    out = model(x)
+    F.cross_entropy(out, y).backward()
+    values = [out, *(p.grad for p in model.parameters()), *model[0].buffers()]
+    return [v.full_tensor() if world is not None else v.detach() for v in values]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_logical_batch_norm_of_data_far_from_zero(pool2, fast):
+    """The variance came from E[(x-K)^2] - E[x-K]^2 with K the running mean (0 at first):
+    on data far from zero (years), cancellation took most of it (relative errors of 1e-4
+    here, in float64). Each rank's own two-pass statistics, merged, equal one process's to
+    the rounding that data 2e6 spreads from zero carry (x - mean loses ~2e-10 in float64)."""
+    want = _batch_norm_far_from_zero(None, None)
+    for got in pool2.run(_batch_norm_far_from_zero, 2, fast):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)

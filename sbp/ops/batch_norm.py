@@ -2,17 +2,18 @@
 
 One place for the math, used by the per-op rules below and by the data-parallel
 fast path (`sbp.nn.data_parallel`), which runs whole modules on local tensors:
-- forward: one all-reduce of per-channel shifted sums (the shift is the running
-  mean, equal on every rank, which keeps E[(x-K)^2] - E[x-K]^2 free of
-  cancellation), then torch's native eval-mode kernel normalises in one pass;
+- forward: each rank's count, mean and sum of squared deviations from that mean
+  (two local passes: no cancellation, however far the data sit from zero), one
+  all-reduce that gathers them, merged as Chan et al. do; then torch's native
+  eval-mode kernel normalises in one pass;
 - backward: torch's native kernel gives the local batch's input gradient and the
   local sums of dy and dy*xhat in one call, one all-reduce makes the sums whole,
   and a per-channel affine function of x added in place corrects the input gradient.
 `all_reduce` sums a tensor over the ranks that hold parts of the batch; the
 count is the logical number of elements per channel. Nothing here reads a
-buffer after writing it: the shift is copied before the running statistics are
-updated, and the mean is computed from the all-reduce's result alone (a traced
-graph may recompute it in backward, after the buffers were updated).
+buffer after writing it: the statistics come from the batch and the all-reduce's
+result alone (a traced graph may recompute them in backward, after the buffers
+were updated).
 """
 
 from __future__ import annotations
@@ -63,16 +64,39 @@ def _product_sums(t: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
     return (ones @ t.view(t.shape[0], -1)).view(t.shape[1], -1).sum(1)
 
 
-def _moments(d: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """Per channel [sum(d), sum(d * d)] over every dim but 1, in `acc`; `d` is overwritten."""
-    if _by_product(SUM_BY_PRODUCT, d):
-        ones = d.new_ones(d.shape[0])
-        first = _product_sums(d, ones)
-        second = _product_sums(d.square_(), ones)
-    else:
-        first = _channel_sums(d, acc)
-        second = _channel_sums(d.square_(), acc)
-    return torch.stack([first, second])
+def _sums(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """Per channel sum of `t` over every dim but 1, in `acc`."""
+    if _by_product(SUM_BY_PRODUCT, t):
+        return _product_sums(t, t.new_ones(t.shape[0]))
+    return _channel_sums(t, acc)
+
+
+def _statistics(x: torch.Tensor, acc: torch.dtype, all_reduce: GroupSum) -> tuple:
+    """The logical batch's per-channel mean and (biased) variance, in `acc`.
+
+    Each rank takes its part's count n, mean m and sum of squared deviations M from m
+    (exact two-pass sums); one all-reduce of a float64 table makes them known to all,
+    each rank writing its own row of means and its count and adding its M (the others'
+    rows are zeros: the sum is the table, exactly). Then, with N = sum n,
+        mean = sum(n m) / N,   var = (sum M + sum n (m - mean)^2) / N
+    (Chan et al.), free of the cancellation of E[x^2] - E[x]^2 on data far from zero."""
+    C, k, me = x.shape[1], len(all_reduce.ranks), all_reduce.index
+    n = x.numel() // C if C else 0
+    table = torch.zeros(k + 1, C + 1, dtype=torch.float64, device=x.device)
+    if n:
+        local_mean = _sums(x, acc).div_(n)
+        # (a half input's deviations in float32: their squares may not fit in half)
+        d = x.to(acc) - local_mean.view((1, C) + (1,) * (x.dim() - 2))
+        table[me, :C] = local_mean
+        table[k, :C] = _sums(d.square_(), acc)
+        table[me, C] = n
+    table = all_reduce(table)
+    means, counts, m2 = table[:k, :C], table[:k, C:], table[k, :C]
+    total = counts.sum()
+    mean = (means * counts).sum(0).div_(total)
+    spread = (means - mean).square_().mul_(counts).sum(0)
+    var = (m2 + spread).div_(total)
+    return mean.to(acc), var.to(acc)
 
 
 def forward(
@@ -91,23 +115,7 @@ def forward(
     Returns (output, mean, invstd) and updates the running statistics in place.
     """
     acc = _acc(x.dtype)
-    view = (1, x.shape[1]) + (1,) * (x.dim() - 2)
-    if running_mean is not None:
-        shift = running_mean.to(acc, copy=True)
-        sums = _moments(x - shift.to(x.dtype).view(view), acc)
-        # The shift travels in the all-reduce too (the first rank's, zeros elsewhere: the
-        # same value, exactly), so the mean depends on the collective's result and never on
-        # the buffer: a traced backward that recomputes the mean cannot read the buffer
-        # after its update.
-        lead = shift if all_reduce.lead else torch.zeros_like(shift)
-        summed = all_reduce(torch.cat([sums, lead.unsqueeze(0)]))
-        mean_d, square_d = summed[:2].div_(count)
-        mean = mean_d + summed[2]
-        var = torch.addcmul(square_d, mean_d, mean_d, value=-1).clamp_min_(0)
-    else:  # nothing equal on every rank to shift by: two passes
-        mean = all_reduce(_channel_sums(x, acc)) / count
-        d = x - mean.to(x.dtype).view(view)
-        var = all_reduce(_channel_sums(d.square_(), acc)) / count
+    mean, var = _statistics(x, acc, all_reduce)
     invstd = torch.rsqrt(var + eps)
     if x.numel() == 0:
         out = torch.empty_like(x)
@@ -248,12 +256,12 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class GroupSum:
-    """Sums a tensor over `ranks` (the ranks holding parts of one batch); `lead`: this rank is
-    their first, the one that contributes values every rank holds."""
+    """Sums a tensor over `ranks` (the ranks holding parts of one batch); `index`: this
+    rank's place among them."""
 
     def __init__(self, ranks: tuple[int, ...]):
         self.ranks = ranks
-        self.lead = env.get_rank() == ranks[0]
+        self.index = ranks.index(env.get_rank())  # (this rank's row in `_statistics`)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(t, "sum", self.ranks)
