@@ -159,6 +159,11 @@ def as_broadcast(local: torch.Tensor, P: Placement):
 # ---------------------------------------------------------------- global mode
 
 
+def _in_torch(module: str) -> bool:
+    """torch's own modules (not torchvision's or torchaudio's: model code)."""
+    return module == "torch" or module.startswith("torch.")
+
+
 def _called_by_sbp() -> bool:
     """Was the factory called by sbp's own machinery (not a user's script, model or test
     helper)? The first caller outside torch's own Python code and torch function modes
@@ -166,7 +171,7 @@ def _called_by_sbp() -> bool:
     run by sbp (the data-parallel fast path) still makes global constants."""
     frame = sys._getframe(2)
     while frame is not None and (
-        frame.f_globals.get("__name__", "").startswith("torch")
+        _in_torch(frame.f_globals.get("__name__", ""))
         or frame.f_code.co_name == "__torch_function__"
     ):
         frame = frame.f_back

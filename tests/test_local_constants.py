@@ -3,6 +3,8 @@ single-process torch on the logical tensors, and their checking mode."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -205,6 +207,40 @@ def test_stochastic_depth_runs_under_global_mode(pool2):
     kept = (out != 0).all(1)
     assert ((out == 0).all(1) | kept).all() and kept.any() and not kept.all()  # whole rows
     torch.testing.assert_close(out[kept], x[kept] * 2)  # kept rows scaled by 1 / (1 - p)
+
+
+def _stochastic_depth_model(world):
+    """A torchvision block in a torch container (`nn.Sequential`, as EfficientNet's and
+    ConvNeXt's own forwards): no frame of the user's between torch's and the factory. A
+    depth of p=1 drops every row, deterministically."""
+    from torchvision.ops import StochasticDepth
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), StochasticDepth(1.0, "row"), torch.nn.Linear(4, 2)
+    ).double()
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    inside = contextlib.nullcontext()
+    if world is not None:
+        P_ = sbp.placement("cpu", list(range(world)))
+        model.to_global(P_, B)
+        x, inside = sbp.tensor(x, placement=P_, sbp=S0), sbp.global_mode(P_)
+    with inside:
+        out = model(x)
+    out.square().sum().backward()  # (outside the mode, where the saved mask must be global)
+    values = [out, *(p.grad for p in model.parameters())]
+    return [v.full_tensor() if world is not None else v.detach() for v in values]
+
+
+def test_stochastic_depth_in_a_torch_container_trains_under_global_mode(pool2):
+    """The factory's caller decided whether sbp made it (then it stays local), skipping
+    frames of modules named torch*: torchvision's too, so the first frame left was the
+    fast path's running the model, and the row mask stayed local (a PlacementError in
+    backward, where the product's saved mask met global gradients)."""
+    want = _stochastic_depth_model(None)
+    for got in pool2.run(_stochastic_depth_model, 2):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 # torch functions whose C++ makes a local constant on global inputs: (x, y, classes) -> out
