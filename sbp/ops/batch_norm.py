@@ -71,31 +71,34 @@ def _sums(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return _channel_sums(t, acc)
 
 
-def _statistics(x: torch.Tensor, acc: torch.dtype, all_reduce: GroupSum) -> tuple:
-    """The logical batch's per-channel mean and (biased) variance, in `acc`.
+def _statistics(x: torch.Tensor, acc: torch.dtype, count: int, all_reduce: GroupSum) -> tuple:
+    """The logical batch's per-channel mean and (biased) variance, in `acc`; `count`: the
+    logical number of elements per channel.
 
     Each rank takes its part's count n, mean m and sum of squared deviations M from m
-    (exact two-pass sums); one all-reduce of a float64 table makes them known to all,
-    each rank writing its own row of means and its count and adding its M (the others'
-    rows are zeros: the sum is the table, exactly). Then, with N = sum n,
+    (two passes: no cancellation; torch's `var_mean` is slower on the CPU); one
+    all-reduce of a table makes them known to all, each rank writing its own row [m, n]
+    and adding its M to the last row (the others' rows are zeros: the sum is the table,
+    exactly). Then, with N = sum n = count,
         mean = sum(n m) / N,   var = (sum M + sum n (m - mean)^2) / N
-    (Chan et al.), free of the cancellation of E[x^2] - E[x]^2 on data far from zero."""
+    (Chan et al.), free of the cancellation of E[x^2] - E[x]^2 on data far from zero.
+    The table is in `acc` where that holds the counts exactly, else in float64."""
     C, k, me = x.shape[1], len(all_reduce.ranks), all_reduce.index
     n = x.numel() // C if C else 0
-    table = torch.zeros(k + 1, C + 1, dtype=torch.float64, device=x.device)
+    exact = acc if count <= 2**24 else torch.float64  # (float32 holds integers to 2^24)
+    table = torch.zeros(k + 1, C + 1, dtype=exact, device=x.device)
     if n:
         local_mean = _sums(x, acc).div_(n)
         # (a half input's deviations in float32: their squares may not fit in half)
         d = x.to(acc) - local_mean.view((1, C) + (1,) * (x.dim() - 2))
         table[me, :C] = local_mean
-        table[k, :C] = _sums(d.square_(), acc)
         table[me, C] = n
+        table[k, :C] = _sums(d.square_(), acc)
     table = all_reduce(table)
-    means, counts, m2 = table[:k, :C], table[:k, C:], table[k, :C]
-    total = counts.sum()
-    mean = (means * counts).sum(0).div_(total)
-    spread = (means - mean).square_().mul_(counts).sum(0)
-    var = (m2 + spread).div_(total)
+    means, counts = table[:k, :C], table[:k, C]
+    mean = torch.mv(means.t(), counts).div_(count)
+    spread = (means - mean).square_()
+    var = torch.mv(spread.t(), counts).add_(table[k, :C]).div_(count)
     return mean.to(acc), var.to(acc)
 
 
@@ -115,7 +118,7 @@ def forward(
     Returns (output, mean, invstd) and updates the running statistics in place.
     """
     acc = _acc(x.dtype)
-    mean, var = _statistics(x, acc, all_reduce)
+    mean, var = _statistics(x, acc, count, all_reduce)
     invstd = torch.rsqrt(var + eps)
     if x.numel() == 0:
         out = torch.empty_like(x)
