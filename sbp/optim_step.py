@@ -85,9 +85,14 @@ def _prefer_foreach(group: dict) -> None:
         and not (isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"))
         and group["params"]
         and all(map(is_, map(type, group["params"]), repeat(GlobalTensor)))
+        and _one_placement(group["params"])  # (a list op takes one: stages of a pipeline)
     ):
         group["foreach"] = True
         group[_CHOSE_FOREACH] = True
+
+
+def _one_placement(params: list) -> bool:
+    return _all_are(map(_PLACEMENT, map(_SPEC, params)), params[0]._spec.placement)
 
 
 def _restore_foreach(group: dict) -> None:

@@ -626,3 +626,19 @@ def test_soak_1000_conversions_over_60_rank_orders(pool4):
         assert fds <= 4 * n_sets
         assert threads <= 4 * n_sets
         assert rss < 200 * 1024  # KiB
+
+
+def _embedding(rank, world, sparse):
+    w = torch.nn.Parameter(sbp.to_global(torch.ones(6, 2), _all(world), sbp.broadcast))
+    ids = sbp.to_global(torch.tensor([[0, 2], [5, 3]]), _all(world), sbp.broadcast)
+    torch.nn.functional.embedding(ids, w, sparse=sparse).sum().backward()
+    return w.grad.full_tensor().tolist()
+
+
+def test_sparse_embedding_names_its_argument(pool):
+    """(Before: torch's 'unsupported memory format option Contiguous' in backward, from
+    sbp's gradient hook making the sparse gradient contiguous.) The dense one first: a
+    worker's first embedding takes a second (imports), which is not the error's time."""
+    for got in _expect_values(pool, _embedding, False):
+        assert got == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    _expect_error(pool, _embedding, sbp.SbpError, True, match="sparse=True")

@@ -532,3 +532,36 @@ def test_an_optimizer_made_before_to_global(request, name, world):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     for message in pool.run(_trained_across_to_global, name, world, True):
         assert "holds state for a parameter that module.to_global has since replaced" in message
+
+
+def _pipeline_stages(world):
+    """Two stages of a model on placements of one rank each, one optimizer over both."""
+    g = torch.Generator().manual_seed(0)
+    w0, w1 = torch.randn(4, 3, generator=g).double(), torch.randn(2, 4, generator=g).double()
+    x = torch.randn(5, 3, generator=g).double()
+    stages = [sbp.placement("cpu", [0]), sbp.placement("cpu", [world - 1])] if world else None
+    a = torch.nn.Parameter(w0 if world is None else sbp.tensor(w0, stages[0], sbp.broadcast))
+    b = torch.nn.Parameter(w1 if world is None else sbp.tensor(w1, stages[1], sbp.broadcast))
+    results = []
+    for make in (torch.optim.Adam, torch.optim.SGD):
+        p, q = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+        opt = make([p, q], lr=0.1)  # (foreach left to torch's choice)
+        for _ in range(3):
+            opt.zero_grad()
+            h = x if world is None else sbp.tensor(x, stages[0], sbp.broadcast)
+            h = h @ p.t()
+            h = h if world is None else h.to_global(placement=stages[1], sbp=sbp.broadcast)
+            (h @ q.t()).square().sum().backward()
+            opt.step()
+        results += [t.detach() if world is None else t.full_tensor() for t in (p, q)]
+    return results
+
+
+def test_one_optimizer_over_parameters_on_different_placements(pool2):
+    """sbp chose foreach kernels for a group of global parameters left to torch's choice,
+    and a list op takes one placement: pipeline stages raised PlacementError at the step."""
+    want = _pipeline_stages(None)
+    for rank, got in enumerate(pool2.run(_pipeline_stages, 2)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if rank == (0 if i % 2 == 0 else 1):  # (the rank holding that stage)
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

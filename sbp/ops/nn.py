@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from sbp import env
-from sbp.errors import LabelRangeError
+from sbp.errors import LabelRangeError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
     Call,
@@ -329,6 +329,11 @@ def layer_norm_backward(call: Call) -> list[Strategy]:
 
 @register_strategy(aten.embedding, check=indices_within((1, "indices"), lambda a: a[0].shape[0]))
 def embedding(call: Call) -> list[Strategy]:
+    if call.arg(4, "sparse", False):
+        raise SbpError(
+            "F.embedding(..., sparse=True) (nn.Embedding(sparse=True)) on global tensors: "
+            "sbp has no sparse gradients; use sparse=False (a dense gradient)"
+        )
     ndim = len(call.specs[1].shape)
     cands = [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]
     return cands + [Strategy((split(1), B), (split(ndim),))]  # column split: no communication
