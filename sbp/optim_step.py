@@ -53,6 +53,7 @@ _ENTRIES = "_sbp_state_entries"  # (the state, its _entries after the last local
 _NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
 _REPLACED_SEEN = "_sbp_replaced_seen"  # `tensor.REPLACED` when `repoint` last looked
+_STATE_SEEN = "_sbp_state_seen"  # the state dict last looked at for plain tensors
 
 
 def prefer_foreach(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -141,6 +142,9 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     ):
         return
     note_optimizer_step(id(optimizer), sys._getframe(1))  # (torch's frame running the step)
+    if optimizer.__dict__.get(_STATE_SEEN) is not optimizer.state:  # (load_state_dict: anew)
+        _plain_state_made_global(optimizer)
+        optimizer.__dict__[_STATE_SEEN] = optimizer.state
     if _GLOBAL_STEP in optimizer.__dict__:
         return
     global_step = optimizer.step
@@ -154,6 +158,23 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.__dict__[_ZERO_GRAD] = optimizer.zero_grad
     optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)
+
+
+@torch.no_grad()
+def _plain_state_made_global(optimizer: torch.optim.Optimizer) -> None:
+    """A plain state tensor of a global parameter's shape is its logical value, laid out
+    as the parameter: as `model.load_state_dict` takes plain tensors, so an optimizer
+    loads the `state_dict` of a one-process optimizer (torch's load moves each tensor to
+    its parameter's device only, leaving it plain). 0-dim numbers (step counts) stay
+    plain, as torch makes them."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if type(p) is not GlobalTensor or not st:
+                continue
+            for key, value in st.items():
+                if type(value) is torch.Tensor and value.dim() and value.shape == p.shape:
+                    st[key] = torch.zeros_like(p, dtype=value.dtype).copy_(value)
 
 
 def _zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
