@@ -899,3 +899,35 @@ def test_norms_of_complex_tensors_and_partial_sums_scaled_by_infinities(pool2, n
         for (dtype, got), w in zip(outs, want, strict=True):
             assert dtype == w.dtype
             torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+def _embedding_bags(world):
+    """nn.EmbeddingBag on a 2-D batch (its offsets: a plain arange F.embedding_bag makes
+    over the logical size), in each mode, and with per-sample weights."""
+    g = torch.Generator().manual_seed(0)
+    ids, weights = torch.randint(0, 11, (7, 5), generator=g), torch.rand(7, 5, generator=g)
+    P = sbp.placement("cpu", list(range(world))) if world else None
+    results = []
+    for mode in ("mean", "sum", "max"):
+        torch.manual_seed(1)
+        bag = torch.nn.EmbeddingBag(11, 6, mode=mode).double()
+        x, w = ids, weights.double().requires_grad_()
+        if P is not None:
+            bag.to_global(P, B)
+            x = sbp.tensor(ids, placement=P, sbp=S0)
+            w = sbp.tensor(weights.double(), placement=P, sbp=S0).requires_grad_()
+        out = bag(x, per_sample_weights=w) if mode == "sum" else bag(x)
+        out.square().sum().backward()
+        values = [out, bag.weight.grad] + ([w.grad] if mode == "sum" else [])
+        results += [v.detach() if P is None else v.full_tensor() for v in values]
+    return results
+
+
+@pytest.mark.filterwarnings("ignore:sbp. no SBP rule")
+def test_embedding_bag_of_a_split_batch(pool2):
+    """The offsets F.embedding_bag makes were a local tensor mixed with global ones: a
+    PlacementError (or, under global_mode, one in backward, where they were saved)."""
+    want = _embedding_bags(None)
+    for got in pool2.run(_embedding_bags, 2):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

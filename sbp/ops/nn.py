@@ -16,6 +16,7 @@ from sbp import env
 from sbp.errors import LabelRangeError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
+    LOCAL_INDEX_OPS,
     Call,
     Strategy,
     indices_within,
@@ -337,6 +338,20 @@ def embedding(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
     cands = [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]
     return cands + [Strategy((split(1), B), (split(ndim),))]  # column split: no communication
+
+
+# F.embedding_bag of a 2-D batch makes its offsets with torch.arange over the logical
+# input's size: a plain tensor equal on every rank, an index constant (as aten.index's).
+# The ops have no rule: they run on broadcast inputs (and warn once).
+LOCAL_INDEX_OPS.update(
+    {
+        aten._embedding_bag.default,
+        aten._embedding_bag_forward_only.default,
+        aten._embedding_bag_backward.default,
+        aten._embedding_bag_dense_backward.default,
+        aten._embedding_bag_per_sample_weights_backward.default,
+    }
+)
 
 
 @register_strategy(aten.embedding_dense_backward)
