@@ -10,10 +10,10 @@ Under AOT autograd, a rule must not read a buffer that the same op mutates in
 place after its update: the running statistics are graph inputs, their update is
 copied back into them after the forward graph, and the backward graph may read
 the input again (saved or recomputed) and then sees the updated value. So in
-training the eager rule gets copies of the running statistics, shifts by the
-copy of the mean and updates the copies, and its mean comes from its all-reduce's
-result alone (`sbp.ops.batch_norm.forward`); the copies are then written into the
-buffers (or returned, by the functional variant). One all-reduce per layer in
+training the eager rule gets copies of the running statistics and updates the
+copies, and its statistics come from the batch and its all-reduce's result alone
+(`sbp.ops.batch_norm.forward`); the copies are then written into the buffers (or
+returned, by the functional variant). One all-reduce per layer in
 forward, as in eager mode, with the same numbers.
 Where no rank's batch is split (a world of one), there is nothing to sum, and torch's
 own op runs on the local tensors, as it does in plain torch's graph.
@@ -42,8 +42,8 @@ _NATIVE = aten.native_batch_norm.default
 
 def _train(x, weight, bias, running_mean, running_var, momentum: float, eps: float):
     """(out, batch mean, batch 1/std, new running mean, new running variance): the eager rule
-    on copies of the running statistics, which it shifts by and updates; the buffers
-    themselves are not written here."""
+    on copies of the running statistics, which it updates; the buffers themselves are not
+    written here."""
     new_mean, new_var = running_mean.clone(), running_var.clone()
     out, mean, invstd = native_batch_norm(
         _NATIVE, (x, weight, bias, new_mean, new_var, True, momentum, eps), {}
