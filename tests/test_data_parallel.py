@@ -2423,3 +2423,29 @@ def test_logical_batch_norm_of_data_far_from_zero(pool2, fast):
     for got in pool2.run(_batch_norm_far_from_zero, 2, fast):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+class GroupNormed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def test_group_norm_takes_the_fast_path(pool2):
+    """GroupNorm's statistics are each sample's: its rule gives the local batch size, as
+    F.group_norm does on local tensors, so the local run is exact (before: op by op,
+    'native_group_norm adjusts its local arguments')."""
+    data = _data(n=7, shape=(3, 4, 4))
+    want = _train(GroupNormed, None, None, None, data)
+    for losses, params, _, paths, _ in pool2.run(
+        _train, GroupNormed, sbp.placement("cpu", [0, 1]), S0, True, data
+    ):
+        assert paths == ["fast"] * len(data)
+        assert losses == pytest.approx(want[0], rel=1e-12)
+        for got, ref in zip(params, want[1], strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
