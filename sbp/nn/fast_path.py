@@ -188,10 +188,9 @@ class _Check:
             self._fail(f"{func} has no SBP rule")
         elif not all(map(self._in_place_or_sliced, args, d.in_specs)):
             self._fail(f"{func} needs its inputs moved")
-        elif rule.local_args is not None and not (
-            getattr(rule.local_args, "size_from_output", False)
-            or getattr(rule.local_args, "from_local_input", False)
-        ):  # (those give the arguments that the caller computes from local tensors)
+        elif rule.local_args is not None and not getattr(
+            rule.local_args, "from_local_input", False
+        ):
             self._fail(f"{func} adjusts its local arguments")
         self._no_partials(func, d.out_specs, d.in_specs)
 

@@ -131,8 +131,7 @@ def _local_batch(batch_arg: int, input_arg: int):
         args[batch_arg] = args[input_arg].shape[0]
         return tuple(args), kwargs
 
-    # (what F.group_norm passes on local tensors: the data-parallel fast path's local run)
-    local_args.from_local_input = True
+    local_args.from_local_input = True  # (F.group_norm's, on local tensors)
     return local_args
 
 

@@ -68,7 +68,9 @@ class Call:
 @dataclass
 class StrategyRule:
     """`candidates(call) -> [Strategy]`; optional `local_args(call, args, kwargs, rank, in_specs,
-    out_specs)` fixes shape arguments for local tensors; optional `post(func, args, kwargs, outs,
+    out_specs)` fixes shape arguments for local tensors (marked `from_local_input` where they
+    are what the op's caller computes on local tensors: the data-parallel fast path's local
+    run, which passes them itself, needs no fix); optional `post(func, args, kwargs, outs,
     in_specs, out_specs)` fixes local results (a mean over a split dim, say); optional
     `check(func, args, kwargs)` raises, on every rank alike, for arguments that would fail
     one rank's kernel alone (the others would wait for it in their next collective), and
@@ -404,6 +406,7 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
                 )
             key.append(("t", tuple(a.shape), a.dtype, scalar_class(a)))
         elif type(a) is float:
+            # (scalar_class's test inline: every float argument of every op comes here)
             key.append(float if a and a - a == 0 else (float, scalar_class(a)))
         elif type(a) is bool:
             key.append((bool, a))

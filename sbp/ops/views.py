@@ -65,6 +65,7 @@ def local_out_size(func, args, kwargs, rank, in_specs, out_specs):
 
 
 local_out_size.size_from_output = True  # the dispatcher may precompute it per decision
+local_out_size.from_local_input = True  # (see `sbp.ops.registry.StrategyRule`)
 
 
 @register_strategy(
