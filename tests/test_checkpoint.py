@@ -260,16 +260,20 @@ def _train_global(
     if held:
         assert len(opt.state) == len(list(model.parameters()))
     for i in steps:
-        _global_step(model, opt, P, batches[i])
+        _train_step(model, opt, P, batches[i])
     sbp.checkpoint.save_training_state(save_dir, model, opt, steps.stop)
     return [p.full_tensor() for p in model.parameters()], tuple(model.fc1.weight.sbp)
 
 
-def _global_step(model, opt, P, batch) -> None:
-    """One data-parallel step on the logical `batch`, split(0) over `P`."""
+def _train_step(model, opt, P, batch) -> None:
+    """One data-parallel step on the logical `batch`, split(0) over `P` (None: one process,
+    plain tensors)."""
     x, y = batch
-    part = sbp.local_slices(x.shape, P, S0, P.coord(sbp.env.get_rank()))
-    loss = F.mse_loss(model(sbp.to_global(x[part], P, S0)), sbp.to_global(y[part[:1]], P, S0))
+    if P is None:
+        loss = F.mse_loss(model(x), y)
+    else:
+        part = sbp.local_slices(x.shape, P, S0, P.coord(sbp.env.get_rank()))
+        loss = F.mse_loss(model(sbp.to_global(x[part], P, S0)), sbp.to_global(y[part[:1]], P, S0))
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -278,11 +282,8 @@ def _global_step(model, opt, P, batch) -> None:
 def _train_one_process(opt_name: str):
     model = _model()
     opt = _optimizer(opt_name, model.parameters())
-    for x, y in _batches():
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for batch in _batches():
+        _train_step(model, opt, None, batch)
     return [p.detach() for p in model.parameters()]
 
 
@@ -337,18 +338,13 @@ def _train_fc2_frozen_before_3(opt_name: str, load_dir, save_dir, steps: range):
     loaded = None
     if load_dir is not None:
         model.fc1.requires_grad_(False)
-        _global_step(model, opt, P, batches[0])
+        _train_step(model, opt, P, batches[0])
         model.fc1.requires_grad_(True)
         sbp.checkpoint.load({"model": model, "optim": opt}, load_dir)
         loaded = sorted(opt.state_dict()["state"])
     for i in steps:
         model.fc2.requires_grad_(i >= 3)
-        if P is None:
-            opt.zero_grad()
-            F.mse_loss(model(batches[i][0]), batches[i][1]).backward()
-            opt.step()
-        else:
-            _global_step(model, opt, P, batches[i])
+        _train_step(model, opt, P, batches[i])
     if save_dir is not None:
         sbp.checkpoint.save({"model": model, "optim": opt}, save_dir)
     params = [p.detach() if P is None else p.full_tensor() for p in model.parameters()]
@@ -418,7 +414,7 @@ def _failed_loads(directory: str) -> list:
         sbp.checkpoint.load({"model": model, "optim": opt}, directory)
     messages.append(str(info.value))
     empty = len(opt.state) == 0
-    _global_step(model, opt, P, _batches()[0])
+    _train_step(model, opt, P, _batches()[0])
     target = sbp.zeros(2, placement=P, sbp=B, dtype=torch.float64)
     with pytest.raises(CheckpointError) as info:
         sbp.checkpoint.load({"n": target}, directory)
@@ -435,10 +431,7 @@ def test_a_failed_load_leaves_its_targets_as_they_were(pool2, tmp_path):
     next step was Adam's second; a tensor target silently stayed as it was; a list for the
     state raised AttributeError.)"""
     model = _model()
-    opt = _optimizer("adamw", model.parameters())
-    x, y = _batches()[0]
-    F.mse_loss(model(x), y).backward()
-    opt.step()
+    _train_step(model, _optimizer("adamw", model.parameters()), None, _batches()[0])
     for empty, params, messages in pool2.run(_failed_loads, str(tmp_path / "a")):
         assert empty
         for got, ref in zip(params, model.parameters(), strict=True):
