@@ -2449,3 +2449,41 @@ def test_group_norm_takes_the_fast_path(pool2):
         assert losses == pytest.approx(want[0], rel=1e-12)
         for got, ref in zip(params, want[1], strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+class _Renormed(torch.nn.Module):
+    def forward(self, w):
+        return torch.renorm(w, 2, 0, 0.5)
+
+
+def _parametrized(kind: str) -> torch.nn.Module:
+    """A small MLP whose first weight is parametrized: by torch.nn.utils.parametrizations,
+    or by `torch.renorm`, an op with no SBP rule."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    if kind == "renorm":
+        first = torch.nn.Linear(8, 8)
+        parametrize.register_parametrization(first, "weight", _Renormed())
+    else:
+        first = getattr(parametrizations, kind)(torch.nn.Linear(8, 8))
+    return torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+@pytest.mark.filterwarnings("ignore:sbp. no SBP rule for aten.renorm")
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal", "renorm"])
+def test_parametrized_weights_take_the_fast_path(pool2, kind):
+    """A parametrization computes the weight from broadcast parameters alone (`mv`, `vdot`,
+    `tril`, `matrix_exp`, `_weight_norm_interface`, spectral_norm's `normalize(out=_u)`):
+    every rank computes the same weight, so the local run is exact, also for an op with no
+    rule (before: op by op, for an op with no rule, a norm's own rule or an `out=` write). spectral_norm's power
+    iteration updates its buffers `_u` and `_v` on every training call, as in one process."""
+    data = _data(n=7)
+    make = functools.partial(_parametrized, kind)
+    want = _train(make, None, None, None, data)
+    for losses, params, buffers, paths, _ in pool2.run(
+        _train, make, sbp.placement("cpu", [0, 1]), S0, True, data
+    ):
+        assert paths == ["fast"] * len(data)
+        assert losses == pytest.approx(want[0], rel=1e-12)
+        for got, ref in zip([*params, *buffers], [*want[1], *want[2]], strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

@@ -379,6 +379,22 @@ ROWS = {
         lambda x: (x.prod(), x.prod(1), x.prod(0), torch.trace(x)),
         [(S0,), (S1,), (B,)],
     ),
+    "mv_dot_vdot": Row(
+        [(5, 4), (4,), (4,)],
+        lambda a, v, w: (torch.mv(a, v), torch.dot(v, w), torch.vdot(v, w)),
+        [(S0, B, B), (S1, S0, S0), (P, B, B), (B, P, B), (B, S0, P)],
+    ),
+    "triangles_matrix_exp": Row(
+        [(3, 4, 4)],
+        lambda x: (x.tril(), x.triu(1), x.clone().tril_(-1), torch.linalg.matrix_exp(x / 4)),
+        [(S0,), (S1,), (S2,), (P,), (B,)],
+        two_d=[((S0, S0),), ((S0, P),)],
+    ),
+    "weight_norm": Row(  # (dim 0 runs torch's fused kernel; dim 1 of three its composite)
+        [(4, 3, 2), (4, 1, 1), (1, 3, 1)],
+        lambda v, g0, g1: (torch._weight_norm(v, g0, 0), torch._weight_norm(v, g1, 1)),
+        [(S0, S0, B), (S1, B, S1), (B, B, B), (P, B, B)],
+    ),
     # factorizations check their error codes in an op that returns nothing (a ValueError)
     "factorizations": Row(
         [(4, 4)],

@@ -59,6 +59,7 @@ from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy
 from sbp.ops.nn import nll_layout, shard_seed
+from sbp.ops.out_variants import out_variant
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
 from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, watch
@@ -142,8 +143,15 @@ class _Check:
     # Functions of their inputs' values alone: on broadcast inputs (which the checked ops
     # computed from broadcast values only) the local run gets the same result on every rank,
     # as BatchNorm's momentum=None reading num_batches_tracked, or transformers' masks
-    # testing a broadcast position tensor (`(ids == 0).all()`) do.
-    OF_BROADCAST_VALUES = (aten._local_scalar_dense.default, aten.all.default, aten.any.default)
+    # testing a broadcast position tensor (`(ids == 0).all()`) do, or spectral_norm's norms
+    # of a broadcast weight.
+    OF_BROADCAST_VALUES = (
+        aten._local_scalar_dense.default,
+        aten.all.default,
+        aten.any.default,
+        aten.linalg_vector_norm.default,
+        aten.norm.ScalarOpt_dim,
+    )
     # F.cross_entropy and F.nll_loss of the batch (the local run computes the logical mean)
     LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
@@ -184,10 +192,11 @@ class _Check:
         (`registry.IndexLimit`, see `indexed_inputs`)."""
         if checked is not None:
             self.index_limits.append(checked)
-        if rule is registry._FALLBACK:
-            self._fail(f"{func} has no SBP rule")
-        elif not all(map(self._in_place_or_sliced, args, d.in_specs)):
-            self._fail(f"{func} needs its inputs moved")
+        if not all(map(self._in_place_or_sliced, args, d.in_specs)):
+            # (an op with no rule passes where its inputs are broadcast already: a
+            # parametrization's ops on parameters, which every rank computes alike)
+            moved = "has no SBP rule" if rule is registry._FALLBACK else "needs its inputs moved"
+            self._fail(f"{func} {moved}")
         elif rule.local_args is not None and not getattr(
             rule.local_args, "from_local_input", False
         ):
@@ -235,6 +244,8 @@ class _Check:
         if rule in self.SAME_LAYOUT:
             self._no_partials(func, [args[0]._spec])  # (a loss converted: op by op)
             return
+        if rule is out_variant:  # (its functional op and the copy into `out` are watched;
+            return  # an `out` of another shape takes the result's layout, as local runs do)
         if func in self.OF_BROADCAST_VALUES and is_all_broadcast(args[0].sbp):
             return True  # (not the ops sbp's rule runs: the local run calls torch's)
         if func in self.LOSSES:

@@ -64,3 +64,67 @@ def linalg_check_errors(call: Call) -> list[Strategy]:
     """The error codes of a factorization (`linalg.inv`, `cholesky`, `solve`), read whole on
     every rank: a singular matrix raises on every rank, not only where its code lies."""
     return [Strategy((B,), ())]
+
+
+@register_strategy(aten.mv)
+def mv(call: Call) -> list[Strategy]:
+    S0, S1 = split(0), split(1)
+    return [
+        Strategy((B, B), (B,)),
+        Strategy((S0, B), (S0,)),
+        Strategy((S1, S0), (P,)),
+        Strategy((P, B), (P,)),
+        Strategy((B, P), (P,)),
+    ]
+
+
+@register_strategy(aten.dot, aten.vdot)
+def dot(call: Call) -> list[Strategy]:
+    """(vdot conjugates its first vector: the conjugate of a sum is the sum of conjugates.)"""
+    S0 = split(0)
+    return [
+        Strategy((B, B), (B,)),
+        Strategy((S0, S0), (P,)),
+        Strategy((P, B), (P,)),
+        Strategy((B, P), (P,)),
+    ]
+
+
+def _batch_dims(call: Call, matrix_dims: int = 2) -> list[Strategy]:
+    """Candidates of an op on the last `matrix_dims` dims taken whole: broadcast, or split
+    alike along a batch dim."""
+    ndim = len(call.specs[0].shape)
+    n = len(call.specs)
+    n_out = sum(m is not None for m in call.out_meta)
+    return [Strategy((B,) * n, (B,) * n_out)] + [
+        Strategy((split(d),) * n, (split(d),) * n_out) for d in range(ndim - matrix_dims)
+    ]
+
+
+@register_strategy(aten.tril, aten.triu, aten.tril_, aten.triu_)
+def triangle(call: Call) -> list[Strategy]:
+    """A triangle keeps or zeroes each entry by its place alone: linear, so a partial sum's
+    parts give the parts of the result."""
+    return [*_batch_dims(call), Strategy((P,), (P,))]
+
+
+@register_strategy(aten.linalg_matrix_exp)
+def matrix_exp(call: Call) -> list[Strategy]:
+    return _batch_dims(call)
+
+
+_WEIGHT_NORM = (aten._weight_norm_interface.default,)
+
+
+@register_strategy(aten._weight_norm_interface, aten._weight_norm_interface_backward)
+def weight_norm(call: Call) -> list[Strategy]:
+    """`v * g / norm(v)` with the norm over every dim but `dim`: every tensor (`v`, `g`, the
+    norms, and in backward the output's gradient) split alike along `dim`, or broadcast."""
+    n = len(call.specs)
+    n_out = sum(m is not None for m in call.out_meta)
+    ndim = len(call.specs[0].shape)
+    dim = call.arg(2 if call.func in _WEIGHT_NORM else 4, "dim", 0)
+    cands = [Strategy((B,) * n, (B,) * n_out)]
+    if 0 <= dim < ndim and all(len(s.shape) == ndim for s in call.specs):
+        cands.append(Strategy((split(dim),) * n, (split(dim),) * n_out))
+    return cands
