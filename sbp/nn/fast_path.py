@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError, PlacementError
 from sbp.layout import GlobalSpec
-from sbp.nn import outputs, recomputation, row_wise_calls, shard_batch_norm
+from sbp.nn import outputs, recomputation, row_wise_calls, shard_batch_norm, torch_attention
 from sbp.nn.names_replaced import NamesReplaced
 from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
@@ -163,11 +163,12 @@ class _Check:
         self.depth = 0  # inside a BatchNorm or Dropout module's forward
         self.loss_depth = 0  # inside F.cross_entropy or F.nll_loss called by name
         self.attention_depth = 0  # inside F.scaled_dot_product_attention called by name
+        self.whole_calls = 0  # inside a call taken as a whole (torch's multi-head attention)
         self.outside_modules = False
         self.index_limits: list[registry.IndexLimit] = []
 
     def _fail(self, reason: str) -> None:
-        if not self.reason:
+        if not self.reason and not self.whole_calls:
             self.reason = reason
 
     def _no_partials(self, func, specs, inputs=()) -> None:
@@ -269,6 +270,17 @@ class _Check:
             self.dropouts += 1
             self.by_name_dropouts += bool(self.attention_depth)
 
+    def torch_attention(self, func, args: tuple, kwargs: dict) -> Any:
+        """`F.multi_head_attention_forward`, taken as a whole where its tensors are laid out
+        as the batch (sbp.nn.torch_attention): nothing inside is judged; else its ops are."""
+        if torch_attention.why_not_row_wise(args, kwargs, self.data_nd):
+            return func(*args, **kwargs)
+        self.whole_calls += 1
+        try:
+            return torch_attention.laid_out_as_batch(func(*args, **kwargs), self.data_nd)
+        finally:
+            self.whole_calls -= 1
+
     def _batch_moved(self, x: GlobalTensor) -> bool:
         """Is `x` laid out as the batch moved to another dim (`x.transpose(0, 1)` of a
         sequence-first model, or the `(1, N, L, E)` torch's 3-d attention makes)? Nothing
@@ -331,6 +343,8 @@ class _FusedDropouts(TorchFunctionMode):
             p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             if p and args[0].device.type != "cpu":
                 self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
+        if func is torch_attention.ATTENTION:
+            return self.check.torch_attention(func, args, kwargs)
         return func(*args, **kwargs)
 
 

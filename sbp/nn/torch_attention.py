@@ -1,0 +1,86 @@
+"""torch's multi-head attention (`nn.MultiheadAttention`, the Transformer layers, ViT) in
+the data-parallel check (sbp.nn.fast_path).
+
+`F.multi_head_attention_forward` is row-wise in the batch: each sample's output depends on
+its own query, key, value and masks alone. Op by op, though, it merges the sequence with
+the split batch as the inner dim (`attn.transpose(0, 1).contiguous().view(L * N, E)`, for
+the output projection), which no split describes, so the op is moved and the check would
+fail although the local run, which merges its own rows, is exact. So the check takes the
+call as a whole where its tensors are laid out as the batch, lets the moves inside it pass,
+and lays its outputs out as the batch again.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sbp.signature import is_all_broadcast, split
+from sbp.tensor import GlobalTensor
+
+ATTENTION = F.multi_head_attention_forward
+
+# the tensors of a call: sequence-first (L, N, E), per sample (N, S), per sample and head
+# (N * heads, ...); any other tensor (weights, biases, a 2-d mask) is taken whole
+_SEQUENCE_FIRST = ("query", "key", "value")
+_PER_SAMPLE = ("key_padding_mask",)
+_PER_HEAD = ("attn_mask", "static_k", "static_v")
+
+
+@functools.cache
+def _signature() -> inspect.Signature:
+    return inspect.signature(ATTENTION)
+
+
+def _moved(data_nd: tuple, dim: int) -> tuple:
+    """The batch's layout with its splits moved to `dim`."""
+    return tuple(split(dim) if s.is_split else s for s in data_nd)
+
+
+def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
+    """ "" where the call's local run on each rank's tensors gives that rank's rows of the
+    logical result; else why not. Decided from the layouts alone, alike on every rank."""
+    bound = _signature().bind(*args, **kwargs).arguments
+    query = bound["query"]
+    if not isinstance(query, GlobalTensor) or query.dim() != 3:
+        return "an unbatched query"
+    if bound.get("dropout_p", 0.0) and bound.get("training", True):
+        return "dropout inside the attention"
+    batch = _moved(data_nd, 1)
+    spec = query._spec
+    heads = bound["num_heads"]
+    for name, value in bound.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(value, GlobalTensor):
+            return f"{name} is a local tensor"
+        if name in _SEQUENCE_FIRST:
+            ok = tuple(value.sbp) == batch and value.shape[1] == query.shape[1]
+        elif name in _PER_SAMPLE and value.dim() == 2:
+            ok = tuple(value.sbp) == data_nd and value.shape[0] == query.shape[1]
+        elif name in _PER_HEAD and value.dim() == 3:
+            # (N * heads) rows split with each rank's samples: boundaries at whole samples
+            ok = tuple(value.sbp) == data_nd and all(
+                value._spec.local_shape(r)[0] == spec.local_shape(r)[1] * heads
+                for r in spec.placement.flat_ranks
+            )
+        else:
+            ok = is_all_broadcast(value.sbp)
+        if not ok:
+            return f"{name} is laid out as {tuple(value.sbp)}"
+    return ""
+
+
+def laid_out_as_batch(out: Any, data_nd: tuple) -> Any:
+    """The call's result, (output (L, N, E), weights (N, ...) or None), laid out as the
+    batch, as the local run's are, where the moves inside left it otherwise (broadcast, or
+    a partial sum: splitting is free where the boxing planner picks)."""
+    output, weights = out
+    output = output.to_global(sbp=_moved(data_nd, 1))
+    if weights is not None:
+        weights = weights.to_global(sbp=data_nd)
+    return output, weights

@@ -1,0 +1,194 @@
+"""torch's multi-head attention on the data-parallel fast path (sbp.nn.torch_attention).
+
+`nn.MultiheadAttention` merges the sequence with the split batch inside its forward, which
+op by op is a move; the check takes the call as a whole where its tensors are laid out as
+the batch, so these models run on local shards. Each test trains on the fast path and in
+one process on the logical batch, float64.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+S0, B = sbp.split(0), sbp.broadcast
+E, HEADS, L, CLASSES = 8, 2, 5, 3
+
+
+class Attention(torch.nn.Module):
+    """Self-attention over a batch-first input, with the options under test."""
+
+    def __init__(self, batch_first=True, weights=False, padding=False, causal=False):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(E, HEADS, batch_first=batch_first)
+        self.head = torch.nn.Linear(E, CLASSES)
+        self.batch_first, self.weights, self.padding = batch_first, weights, padding
+        mask = torch.triu(torch.ones(L, L, dtype=torch.bool), 1) if causal else None
+        self.register_buffer("mask", mask)
+
+    def forward(self, x, pad=None):
+        h = x if self.batch_first else x.transpose(0, 1)
+        out, w = self.attention(
+            h, h, h, key_padding_mask=pad if self.padding else None, attn_mask=self.mask
+        )
+        out = out if self.batch_first else out.transpose(0, 1)
+        logits = self.head(out.mean(1))
+        return logits + w.sum((1, 2)).unsqueeze(1) if self.weights else logits
+
+
+class Encoder(torch.nn.Module):
+    """A Transformer encoder and a decoder layer attending to the encoder's output."""
+
+    def __init__(self, norm_first=False):
+        super().__init__()
+        self.encoder = torch.nn.TransformerEncoderLayer(
+            E, HEADS, 16, dropout=0.0, batch_first=True, norm_first=norm_first
+        )
+        self.decoder = torch.nn.TransformerDecoderLayer(E, HEADS, 16, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(E, CLASSES)
+
+    def forward(self, x, pad=None):
+        memory = self.encoder(x)
+        return self.head(self.decoder(x[:, :3], memory).mean(1))
+
+
+class ViT(torch.nn.Module):
+    """torchvision's vision transformer on 4x4 images made from the input (a class token
+    expanded to the batch, torch's attention, no dropout by default)."""
+
+    def __init__(self):
+        import torchvision
+
+        super().__init__()
+        self.image = torch.nn.Linear(L * E, 3 * 4 * 4)
+        self.vit = torchvision.models.VisionTransformer(
+            image_size=4, patch_size=2, num_layers=2, num_heads=HEADS, hidden_dim=E,
+            mlp_dim=16, num_classes=CLASSES,
+        )  # fmt: skip
+
+    def forward(self, x, pad=None):
+        return self.vit(self.image(x.flatten(1)).view(-1, 3, 4, 4))
+
+
+class ToMemory(torch.nn.Module):
+    """Attention of the batch to a learnt memory expanded to the batch: key and value are
+    broadcast, not laid out as the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory = torch.nn.Parameter(torch.randn(4, E))
+        self.attention = torch.nn.MultiheadAttention(E, HEADS, batch_first=True)
+        self.head = torch.nn.Linear(E, CLASSES)
+
+    def forward(self, x, pad=None):
+        memory = self.memory.expand(x.shape[0], -1, -1)
+        return self.head(self.attention(x, memory, memory, need_weights=False)[0].mean(1))
+
+
+def _data(n: int, steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(n, L, E, generator=g, dtype=torch.float64)
+        pad = torch.zeros(n, L, dtype=torch.bool)
+        pad[::2, -2:] = True  # (every other sample's last two positions are padding)
+        batches.append((x, pad, torch.randint(0, CLASSES, (n,), generator=g)))
+    return batches
+
+
+def _train(make, data, P=None, training=True):
+    """Losses and parameters after SGD steps; with `P`, on the fast path, with its paths."""
+    torch.manual_seed(0)
+    model = make().double().train(training)
+    if P is not None:
+        model.to_global(P, B)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, paths = [], []
+    for x, pad, y in data:
+        if P is not None:
+            x, pad, y = (sbp.tensor(t, placement=P, sbp=S0) for t in (x, pad, y))
+        if training:
+            loss = F.cross_entropy(model(x, pad), y)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+        else:
+            with torch.no_grad():
+                loss = F.cross_entropy(model(x, pad), y)
+        if P is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+        losses.append(loss.item())
+    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
+    return losses, params, paths
+
+
+MODELS = {
+    "batch-first": Attention,
+    "sequence-first": functools.partial(Attention, batch_first=False),
+    "weights-padding-causal": functools.partial(Attention, weights=True, padding=True, causal=True),
+    "encoder-decoder": Encoder,
+    "encoder-norm-first": functools.partial(Encoder, norm_first=True),
+    "vit": ViT,
+}
+
+
+CASES = [(name, 6) for name in MODELS] + [
+    # (the merged batch x heads rows split at a whole sample; a Transformer layer's
+    # feed-forward `linear` on (7, L, E) merges the uneven batch with the sequence, which
+    # sends it op by op)
+    (name, 7)
+    for name in MODELS
+    if name not in ("encoder-decoder", "encoder-norm-first", "vit")
+]
+
+
+@pytest.mark.parametrize(("name", "n"), CASES)
+def test_torch_attention_trains_on_the_fast_path(pool2, name, n):
+    """Before: op by op ("aten.view.default needs its inputs moved")."""
+    data = _data(n)
+    want_losses, want_params, _ = _train(MODELS[name], data)
+    P = sbp.placement("cpu", [0, 1])
+    for losses, params, paths in pool2.run(_train, MODELS[name], data, P):
+        assert paths == ["fast"] * len(data)
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_attention_in_eval_mode(pool2):
+    """Without grad, in eval mode, the local run takes torch's fused attention
+    (`_native_multi_head_attention`); the check ran the composite."""
+    data = _data(6)
+    want_losses, _, _ = _train(Encoder, data, training=False)
+    P = sbp.placement("cpu", [0, 1])
+    for losses, _, paths in pool2.run(_train, Encoder, data, P, False):
+        assert paths == ["fast"] * len(data)
+        assert losses == pytest.approx(want_losses, rel=1e-10)
+
+
+def test_attention_the_check_refuses_runs_op_by_op(pool2):
+    """Key and value not laid out as the batch (a memory expanded to it): the call is judged
+    op by op, which moves its tensors, and the module runs op by op, as one process. With
+    dropout inside the attention (whose masks the local run could not draw as the op-by-op
+    path does) too, where taking it whole would break the local run."""
+    data = _data(6)
+    want_losses, want_params, _ = _train(ToMemory, data)
+    P = sbp.placement("cpu", [0, 1])
+    for losses, params, paths in pool2.run(_train, ToMemory, data, P):
+        assert paths == ["per-op"] * len(data)
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    dropout = functools.partial(_with_attention_dropout, Attention)
+    for losses, _, paths in pool2.run(_train, dropout, data, P):
+        assert paths == ["per-op"] * len(data)
+        assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def _with_attention_dropout(make):
+    model = make()
+    model.attention.dropout = 0.5
+    return model
