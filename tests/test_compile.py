@@ -339,6 +339,33 @@ def test_a_collective_only_some_ranks_use_stays_in_every_rank_s_graph(pool2, cas
             _close([grad], [w.grad])
 
 
+def _slice_write_by_inductor(rows):
+    """`_slice_write` compiled by inductor, its caches off (a cached program would not be
+    the one this code compiles)."""
+    import torch._inductor.config as inductor_config
+
+    P = sbp.placement("cpu", [0, 1])
+    sbp.env.init(timeout=30.0)
+    try:
+        with inductor_config.patch(force_disable_caches=True):
+            x = sbp.tensor(torch.arange(36.0, dtype=torch.float64).view(6, 6), P, S0)
+            out = torch.compile(_slice_write, backend="inductor")(x, rows)
+        return out.full_tensor(), x.full_tensor()
+    finally:
+        sbp.env.init(timeout=60.0)  # (the pool's own)
+        torch._dynamo.reset()
+
+
+def test_inductor_keeps_a_small_all_reduce_only_some_ranks_use(pool2):
+    """Inductor dropped `sbp::small_all_reduce` from the graph of the rank that uses nothing
+    of its result (its rows of the write are empty): the other rank waited for it until
+    the timeout. The op is now marked as having side effects."""
+    x = torch.arange(36.0, dtype=torch.float64).view(6, 6)
+    want = (_slice_write(x, slice(1, 3)).clone(), x)
+    for result in pool2.run(_slice_write_by_inductor, slice(1, 3), timeout=300):
+        _close(list(result), list(want))
+
+
 def _collectives_of_a_step(backend):
     """Collectives sbp.comm runs in a training step of ConvBN (logical BatchNorm) made global
     on all ranks, eagerly or compiled with `backend`, after a first step that compiles."""

@@ -97,6 +97,9 @@ def _small_all_reduce(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.
 
 
 _library.impl("small_all_reduce", _small_all_reduce, "CPU")
+# A collective: never dead code. Inductor removed it from the graph of a rank that uses
+# nothing of its result (an empty shard's rows), and the other ranks waited for it.
+torch.fx.node.has_side_effect(torch.ops.sbp.small_all_reduce.default)
 
 
 @torch.library.register_fake("sbp::small_all_reduce")
