@@ -1,6 +1,7 @@
 """Data-parallel training: global tensors vs torch DDP, same machine, same run.
 
-mobilenet_v2 (10 classes) on 3x32x32, SGD with momentum, a batch of `--batch` per rank.
+mobilenet_v2 (10 classes; `--model vit`: a small vision transformer) on 3x32x32, SGD with
+momentum, a batch of `--batch` per rank.
 Each method trains its own copy of the model from the same initial weights on the same
 data; the methods take turns step by step (a barrier before each step, the slowest rank's
 time per step), so slow phases of this shared machine hit them alike.
@@ -50,12 +51,27 @@ from common import (  # noqa: E402
     write_results,
 )
 
+# --model: (what the JSON calls it, its torchvision constructor and arguments)
+MODELS = {
+    "mobilenet_v2": ("mobilenet_v2(num_classes=10)", "mobilenet_v2", {"num_classes": 10}),
+    # a small ViT for 32x32 images: torch's multi-head attention, LayerNorm, no BatchNorm
+    "vit": (
+        "VisionTransformer(32, patch 4, 4 layers, 4 heads, width 64, mlp 128, 10 classes)",
+        "VisionTransformer",
+        dict(
+            image_size=32, patch_size=4, num_layers=4, num_heads=4, hidden_dim=64, mlp_dim=128,
+            num_classes=10,
+        ),
+    ),
+}  # fmt: skip
 
-def _model(device: str) -> torch.nn.Module:
+
+def _model(device: str, name: str = "mobilenet_v2") -> torch.nn.Module:
     import torchvision
 
     torch.manual_seed(0)
-    return torchvision.models.mobilenet_v2(num_classes=10).to(device)
+    _, constructor, options = MODELS[name]
+    return getattr(torchvision.models, constructor)(**options).to(device)
 
 
 def _batches(rank: int, cfg: dict, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -123,7 +139,7 @@ def worker(rank: int, world: int, cfg: dict, path: str) -> None:
     device = cfg["device"]
     if device == "cuda":
         use_cuda_device(rank)
-    base = _model(device)
+    base = _model(device, cfg["model"])
     batches = _batches(rank, cfg, device)
     methods: dict = {}
     rows: dict = {"world": world}
@@ -175,6 +191,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="3 steps, no op-by-op row")
+    parser.add_argument("--model", default="mobilenet_v2", choices=sorted(MODELS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.world < 2:
@@ -185,6 +202,7 @@ def main() -> None:
         "warmup": 1 if args.quick else args.warmup,
         "device": args.device,
         "quick": args.quick,
+        "model": args.model,
     }
     one = gather_rows(worker, 1, cfg)
     many = gather_rows(worker, args.world, cfg)
@@ -259,7 +277,7 @@ def main() -> None:
     print("collectives per step, per-shard BN:", many["shard_step_collectives"]["calls"])
     payload = {
         "benchmark": "data_parallel",
-        "config": cfg | {"world": args.world, "model": "mobilenet_v2(num_classes=10)"},
+        "config": cfg | {"world": args.world, "model": MODELS[args.model][0]},
         "machine": machine_info(),
         "rows": records,
         "small_all_reduce_ms": small,
@@ -269,6 +287,7 @@ def main() -> None:
         "raw": {"world_1": one, f"world_{args.world}": many},
     }
     name = "data-parallel-quick" if args.quick else "data-parallel"
+    name += "" if args.model == "mobilenet_v2" else f"-{args.model}"
     name += "-cuda" if args.device == "cuda" else ""
     for p in write_results(name, payload, args.out):
         print(f"wrote {p}")
