@@ -366,6 +366,42 @@ def test_inductor_keeps_a_small_all_reduce_only_some_ranks_use(pool2):
         _close(list(result), list(want))
 
 
+def _adam_steps(P, name: str, compiled: bool):
+    """A Linear layer's weight after two Adam (AdamW) steps, the step compiled or not; with
+    `P`, the layer made global and the batch split."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # (a compiled Adam stacks its step sizes thus)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        x = torch.randn(6, 4)
+        if P is not None:
+            model.to_global(P, B)
+            x = sbp.tensor(x, P, S0)
+        optim = getattr(torch.optim, name)(model.parameters(), lr=0.1, foreach=True)
+        step = torch.compile(optim.step, backend="aot_eager") if compiled else optim.step
+        for _ in range(2):
+            optim.zero_grad()
+            model(x).pow(2).mean().backward()
+            step()
+        return model.weight.full_tensor() if P is not None else model.weight.detach()
+    finally:
+        torch.set_default_dtype(default)
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_a_compiled_adam_step_on_global_parameters(pool2, name):
+    """Compiled, torch's Adam passes its step sizes to `_foreach_addcdiv_` as one local 1-d
+    tensor (the `Tensor scalars` overload); before, that raised PlacementError, as a local
+    tensor among global ones. It is a list of numbers, taken as the Scalar[] overload takes
+    Python numbers."""
+    want = _adam_steps(None, name, compiled=False)
+    P = sbp.placement("cpu", [0, 1])
+    for got in pool2.run(_adam_steps, P, name, True, timeout=300):
+        _close([got], [want])
+
+
 def _collectives_of_a_step(backend):
     """Collectives sbp.comm runs in a training step of ConvBN (logical BatchNorm) made global
     on all ranks, eagerly or compiled with `backend`, after a first step that compiles."""

@@ -38,11 +38,27 @@ def is_list_op(func) -> bool:
     return bool(args) and str(args[0].type).startswith("List[Tensor")
 
 
+def _scalars_index(func) -> int | None:
+    """Where `func` takes `Tensor scalars`: the number per list entry, as a 1-d tensor
+    (`_foreach_addcdiv_.Tensor`, which a compiled Adam step calls with its step sizes)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "scalars" and str(a.type) == "Tensor":
+            return i
+    return None
+
+
 def list_rule(func, args, kwargs):
+    numbers = None
+    at = _scalars_index(func)
+    if at is not None and len(args) > at and type(args[at]) is torch.Tensor:
+        # A local tensor of numbers, as the Scalar[] overload takes Python numbers: values
+        # every rank computes alike (torch's own step sizes), passed on as they are.
+        numbers = args[at]
+        args = (*args[:at], None, *args[at + 1 :])
     aligned = _aligned_locals(args, kwargs)
     if aligned is not None:  # the usual optimizer step: nothing to check or move
         local_args, placement, specs = aligned
-        return _run(func, local_args, kwargs, placement, specs)
+        return _run(func, _with(local_args, at, numbers), kwargs, placement, specs)
     from sbp.ops.registry import flatten, scan
     from sbp.tensor import GlobalTensor, written_args
 
@@ -80,10 +96,19 @@ def list_rule(func, args, kwargs):
         for k, v in kwargs.items()
     }
     specs = [t._spec._replace(nd_sbp=nd) for t, nd in zip(first, targets, strict=True)]
-    out = _run(func, local_args, local_kwargs, placement, specs)
+    out = _run(func, _with(local_args, at, numbers), local_kwargs, placement, specs)
     for t, aligned in write_back:  # (in t's own layout: in-place ops keep it)
         assign(t, aligned._local, aligned._spec)
     return out
+
+
+def _with(args: list, at: int | None, numbers: torch.Tensor | None) -> list:
+    """`args` with the local tensor of numbers put back at `at`."""
+    if numbers is None:
+        return args
+    args = list(args)
+    args[at] = numbers
+    return args
 
 
 def _aligned_locals(args, kwargs):

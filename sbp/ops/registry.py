@@ -481,6 +481,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if g._copy_of is not None:  # a view of a copy: writes go on up
             mark_view(func, args, kwargs, [out], False, False)
         return out
+    if func not in _resolved:
+        _resolve(func)  # (a list op joins _list_ops: its rule checks its arguments itself)
     if func in _list_ops:
         if observers:
             observers[-1].custom(func, args)
