@@ -192,3 +192,17 @@ def _with_attention_dropout(make):
     model = make()
     model.attention.dropout = 0.5
     return model
+
+
+def test_vit_in_a_world_of_one(pool1):
+    """On one rank split and broadcast hold the same data, and the planner may pick either
+    for ViT's `cat` of the class token (expanded, broadcast) and the split patches: the
+    check takes them as laid out alike (before: op by op, "aten.cat.default needs its
+    inputs moved")."""
+    data = _data(4)
+    want_losses, want_params, _ = _train(ViT, data)
+    for losses, params, paths in pool1.run(_train, ViT, data, sbp.placement("cpu", [0])):
+        assert paths == ["fast"] * len(data)
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

@@ -227,7 +227,7 @@ class _Check:
         rows alone are not enough: rows of a zero parameter `p[:n]` are equal until
         trained, and the local run would train rows 0..n-1 on every rank."""
         spec = g._spec
-        if spec == need:
+        if spec == need or _one_rank_alike(spec, need):
             return True
         if need._replace(nd_sbp=spec.nd_sbp) != spec or not is_all_broadcast(spec.nd_sbp):
             return False
@@ -325,6 +325,19 @@ class _Check:
         self.losses += 1
         if self.loss_depth == 0:
             self.outside_modules = True
+
+
+def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
+    """Do `spec` and `need` differ only by split against broadcast on hierarchy dims of one
+    rank, which hold the same data either way? (In a world of one the planner may pick
+    either, at no cost.)"""
+    if need._replace(nd_sbp=spec.nd_sbp) != spec:
+        return False
+    sizes = spec.placement.hierarchy
+    return all(
+        a == b or (n == 1 and not a.is_partial and not b.is_partial)
+        for a, b, n in zip(spec.nd_sbp, need.nd_sbp, sizes, strict=True)
+    )
 
 
 class _FusedDropouts(TorchFunctionMode):
