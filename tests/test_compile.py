@@ -226,7 +226,14 @@ def _graph_recorder():
 
 
 def _ops_in(graph) -> list:
-    return [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    """The ops a graph calls; an op with effects (sbp's small all-reduce) is called through
+    `with_effects(token, op, ...)`, which threads a token through them to keep their order."""
+    with_effects = torch.ops.higher_order.with_effects
+    return [
+        str(n.args[1] if n.target is with_effects else n.target)
+        for n in graph.graph.nodes
+        if n.op == "call_function"
+    ]
 
 
 def _dropped_collective(name, make_inplace):

@@ -97,9 +97,13 @@ def _small_all_reduce(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.
 
 
 _library.impl("small_all_reduce", _small_all_reduce, "CPU")
-# A collective: never dead code. Inductor removed it from the graph of a rank that uses
-# nothing of its result (an empty shard's rows), and the other ranks waited for it.
-torch.fx.node.has_side_effect(torch.ops.sbp.small_all_reduce.default)
+# A collective: never dead code, never moved across another. Inductor removed it from the
+# graph of a rank that uses nothing of its result (an empty shard's rows), and the other
+# ranks waited for it. An ordered effect threads a token through every call (torch's
+# `with_effects`): kept, in order, in the forward or backward graph it was traced in
+# (`fx.node.has_side_effect` kept it too, but AOT's partitioner then ran a backward
+# all-reduce of an empty shard in both graphs).
+_library._register_effectful_op("sbp::small_all_reduce", torch._library.effects.EffectType.ORDERED)
 
 
 @torch.library.register_fake("sbp::small_all_reduce")
