@@ -42,12 +42,14 @@ class Attention(torch.nn.Module):
 class Encoder(torch.nn.Module):
     """A Transformer encoder and a decoder layer attending to the encoder's output."""
 
-    def __init__(self, norm_first=False):
+    def __init__(self, norm_first=False, dropout=0.0):
         super().__init__()
         self.encoder = torch.nn.TransformerEncoderLayer(
-            E, HEADS, 16, dropout=0.0, batch_first=True, norm_first=norm_first
+            E, HEADS, 16, dropout=dropout, batch_first=True, norm_first=norm_first
         )
-        self.decoder = torch.nn.TransformerDecoderLayer(E, HEADS, 16, dropout=0.0, batch_first=True)
+        self.decoder = torch.nn.TransformerDecoderLayer(
+            E, HEADS, 16, dropout=dropout, batch_first=True
+        )
         self.head = torch.nn.Linear(E, CLASSES)
 
     def forward(self, x, pad=None):
@@ -99,12 +101,15 @@ def _data(n: int, steps: int = 3):
     return batches
 
 
-def _train(make, data, P=None, training=True):
-    """Losses and parameters after SGD steps; with `P`, on the fast path, with its paths."""
+def _train(make, data, P=None, training=True, fast=True):
+    """Losses and parameters after SGD steps; with `P`, global, on the fast path (or op by
+    op, `fast=False`), with its paths."""
     torch.manual_seed(0)
+    sbp.manual_seed(0)  # (dropout masks: the same draws for every run in this process)
     model = make().double().train(training)
     if P is not None:
         model.to_global(P, B)
+        sbp.nn.data_parallel(model, fast=fast)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, paths = [], []
     for x, pad, y in data:
@@ -171,9 +176,7 @@ def test_torch_attention_in_eval_mode(pool2):
 
 def test_attention_the_check_refuses_runs_op_by_op(pool2):
     """Key and value not laid out as the batch (a memory expanded to it): the call is judged
-    op by op, which moves its tensors, and the module runs op by op, as one process. With
-    dropout inside the attention (whose masks the local run could not draw as the op-by-op
-    path does) too, where taking it whole would break the local run."""
+    op by op, which moves its tensors, and the module runs op by op, as one process."""
     data = _data(6)
     want_losses, want_params, _ = _train(ToMemory, data)
     P = sbp.placement("cpu", [0, 1])
@@ -182,16 +185,51 @@ def test_attention_the_check_refuses_runs_op_by_op(pool2):
         assert losses == pytest.approx(want_losses, rel=1e-12)
         for got, ref in zip(params, want_params, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
-    dropout = functools.partial(_with_attention_dropout, Attention)
-    for losses, _, paths in pool2.run(_train, dropout, data, P):
-        assert paths == ["per-op"] * len(data)
-        assert all(torch.isfinite(torch.tensor(losses)))
 
 
-def _with_attention_dropout(make):
+def _with_attention_dropout(make, need_weights=True):
     model = make()
     model.attention.dropout = 0.5
+    if not need_weights:  # (the dropout inside torch's scaled_dot_product_attention)
+        forward = model.attention.forward
+        model.attention.forward = functools.partial(forward, need_weights=False)
     return model
+
+
+def _dropout_inside_attention_only(make):
+    model = make()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+DROPOUT_MODELS = {
+    "attention-weights": functools.partial(_with_attention_dropout, Attention),
+    "attention-sdpa": functools.partial(_with_attention_dropout, Attention, need_weights=False),
+    "encoder-decoder": functools.partial(
+        _dropout_inside_attention_only, functools.partial(Encoder, dropout=0.3)
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "n"), [(name, 6) for name in DROPOUT_MODELS] + [("encoder-decoder", 7)]
+)
+def test_dropout_inside_torch_attention(pool2, name, n):
+    """Dropout inside the attention (on its weights, or inside scaled_dot_product_attention
+    when no weights are asked for): the local run draws the masks of the op-by-op path, so
+    both train alike. A batch of 7 splits the (batch x heads) rows where no split of their
+    merged dim does: the masks would differ, so the module runs op by op."""
+    data = _data(n)
+    P = sbp.placement("cpu", [0, 1])
+    make = DROPOUT_MODELS[name]
+    fast, slow = pool2.run(_train, make, data, P), pool2.run(_train, make, data, P, True, False)
+    for (losses, params, paths), (want_losses, want_params, _) in zip(fast, slow, strict=True):
+        assert paths == ["fast" if n == 6 else "per-op"] * len(data)
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
 def test_vit_in_a_world_of_one(pool1):
@@ -206,3 +244,16 @@ def test_vit_in_a_world_of_one(pool1):
         assert losses == pytest.approx(want_losses, rel=1e-12)
         for got, ref in zip(params, want_params, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_transformer_layers_with_dropout_take_the_fast_path(pool2):
+    """nn.Transformer layers with dropout everywhere (their Dropout modules and inside the
+    attention). Op by op (`fast=False`) a Dropout module right after the attention may see
+    its output laid out otherwise and draw other masks, so the runs are not compared; the
+    check compared the first local run with its own op-by-op run, and would have sent the
+    module op by op had a mask differed."""
+    data = _data(6)
+    make = functools.partial(Encoder, dropout=0.3)
+    for losses, _, paths in pool2.run(_train, make, data, sbp.placement("cpu", [0, 1])):
+        assert paths == ["fast"] * len(data)
+        assert all(0 < loss < 10 for loss in losses)

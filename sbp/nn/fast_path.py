@@ -167,8 +167,10 @@ class _Check:
         self.outside_modules = False
         self.index_limits: list[registry.IndexLimit] = []
 
-    def _fail(self, reason: str) -> None:
-        if not self.reason and not self.whole_calls:
+    def _fail(self, reason: str, always: bool = False) -> None:
+        """`always`: also inside a call taken as a whole (a dropout's layout, which sets
+        its masks)."""
+        if not self.reason and (always or not self.whole_calls):
             self.reason = reason
 
     def _no_partials(self, func, specs, inputs=()) -> None:
@@ -263,7 +265,7 @@ class _Check:
         if self.depth == 0 and not (func in self.DROPOUT and self.attention_depth):
             self.outside_modules = True
         if tuple(x.sbp) != self.data_nd and not (func in self.DROPOUT and self._batch_moved(x)):
-            self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch")
+            self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch", True)
         elif (func in self.BATCH_NORMS and args[5]) or func is self.SHARD_BATCH_NORM:
             self.bn_counts.append(batch_norm._count(x))
         elif func in self.DROPOUT:
@@ -386,9 +388,13 @@ class _LocalOps(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.batch_norm:
             return self.run.batch_norm(*args, **kwargs)
-        if func is F.dropout:
-            return self.run.dropout(*args, **kwargs)
         original = _unrouted(func)
+        if original is _DROPOUT:
+            return self.run.dropout(*args, **kwargs)
+        if original is torch_attention.ATTENTION:
+            # (the mode is off inside its own call: its dropout is reached by name)
+            with _by_name_replaced(self.run.by_name):
+                return func(*args, **kwargs)
         if original is _ATTENTION:
             return self.run.attention(*args, **kwargs)
         if original in _LOSSES:
@@ -445,7 +451,7 @@ class _Run:
 
     def dropout(self, input, p=0.5, training=True, inplace=False):
         if not training or p == 0:
-            return F.dropout(input, p, training, inplace)
+            return _DROPOUT(input, p, training, inplace)
         if p == 1:
             return input.mul_(0) if inplace else torch.zeros_like(input)
         gen = torch.Generator(device=input.device)
@@ -476,6 +482,8 @@ class _Run:
         """A call of a function the local run replaces by name (`_by_name_replaced`)."""
         if fn is _ATTENTION:
             return self.attention(*args, **kwargs)
+        if fn is _DROPOUT:
+            return self.dropout(*args, **kwargs)
         return self.loss(fn, *args, **kwargs)
 
     def loss(
@@ -592,7 +600,8 @@ def _route_names() -> list:
 # Python function of torch.nn.functional passes itself by its module's name)
 _LOSSES = (F.cross_entropy, F.nll_loss)
 _ATTENTION = F.scaled_dot_product_attention
-_BY_NAME = (*_LOSSES, _ATTENTION)
+_DROPOUT = F.dropout  # (by name only inside torch's multi-head attention: `_LocalOps`)
+_BY_NAME = (*_LOSSES, _ATTENTION, _DROPOUT)
 _ROUTES: dict = {}  # a function the names held: the replacement routing to it
 _ROUTED: dict = {}  # a replacement: the function it routes to
 _HANDLERS = threading.local()  # .stack: this thread's handlers, innermost last
@@ -624,8 +633,8 @@ def _called_by_name(check: _Check, modes: int) -> Callable:
     (`modes`), and that is not a call by name."""
 
     def call(fn, *args, **kwargs):
-        if torch._C._len_torch_function_stack() < modes:
-            return fn(*args, **kwargs)
+        if torch._C._len_torch_function_stack() < modes or fn is _DROPOUT:
+            return fn(*args, **kwargs)  # (a dropout's layout is judged as its op runs)
         with _Depth(check, "attention_depth" if fn is _ATTENTION else "loss_depth"):
             return fn(*args, **kwargs)
 

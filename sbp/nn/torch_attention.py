@@ -48,8 +48,9 @@ def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
     query = bound["query"]
     if not isinstance(query, GlobalTensor) or query.dim() != 3:
         return "an unbatched query"
-    if bound.get("dropout_p", 0.0) and bound.get("training", True):
-        return "dropout inside the attention"
+    dropout = bound.get("dropout_p", 0.0) and bound.get("training", True)
+    if dropout and not bound.get("need_weights", True) and query.device.type != "cpu":
+        return "dropout inside torch's fused attention kernel"
     batch = _moved(data_nd, 1)
     spec = query._spec
     heads = bound["num_heads"]
