@@ -103,7 +103,20 @@ def _copy_into_copied_views(make):
     return [h]
 
 
+def _index_put_of_a_partial_sum_into_broadcast(make):
+    """`y[idx] = v` with `v` a partial sum (a column sum of a split tensor; a slice of a split
+    one, made partial at no cost): the write boxes `y` to partial, which hands the first
+    rank its own local tensor back; it skipped the all-reduce the others ran (a wrong row
+    there, a hang elsewhere)."""
+    y, a = make(_logical(SHAPE, 0), B), make(_logical(SHAPE, 1), S0)
+    z, w = make(_logical(SHAPE, 2), B), make(_logical(SHAPE, 3), S0)
+    y[torch.tensor([1])] = a.sum(0)
+    z[torch.tensor([4, 0, 2])] = w[:3]
+    return [y, z]
+
+
 CASES = [
+    (_index_put_of_a_partial_sum_into_broadcast, [B, B]),
     (_slice_of_broadcast_gets_split, [B]),
     (_slice_across_split, [S1]),
     (_augmented_slice_assignment, [S1]),

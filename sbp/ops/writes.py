@@ -179,8 +179,11 @@ def assign(g, local: torch.Tensor, spec) -> None:
     """Make `local` (laid out as `spec`) `g`'s value in `g`'s own layout and local tensor."""
     from sbp.tensor import box
 
-    if local is not g._local:
-        g._local.copy_(box(local, spec, g._spec) if spec != g._spec else local)
+    if spec != g._spec:  # (decided from the specs, alike on every rank: the boxing to
+        # `spec` may have handed one rank `g`'s own local tensor back, broadcast to partial)
+        g._local.copy_(box(local, spec, g._spec))
+    elif local is not g._local:
+        g._local.copy_(local)
 
 
 # ---------------------------------------------------------------- logical slices
