@@ -395,6 +395,21 @@ ROWS = {
         lambda v, g0, g1: (torch._weight_norm(v, g0, 0), torch._weight_norm(v, g1, 1)),
         [(S0, S0, B), (S1, B, S1), (B, B, B), (P, B, B)],
     ),
+    # found by review: split indices counted their frequencies per shard; unbind's backward
+    # stacks zeros torch makes for the unused parts; one unbatched sample has no batch dim
+    "embedding_scaled_by_frequency": Row(
+        [("int", (3, 2), 5), (5, 3)],
+        lambda i, w: F.embedding(i, w, scale_grad_by_freq=True),
+        [(S0, B), (S1, B), (B, B)],
+        two_d=[((S0, S1), (B, B))],
+    ),
+    "unbind_some_unused": Row([(4, 3)], lambda x: x.unbind(0)[1] * 2, [(S0,), (S1,), (B,)]),
+    "nll_of_one_sample": Row(
+        [(3,), ("int", (), 3)],
+        lambda x, t: (F.nll_loss(x, t), F.cross_entropy(x, t)),
+        [(S0, B), (B, B)],
+        two_d=[((B, B), (B, B))],
+    ),
     # factorizations check their error codes in an op that returns nothing (a ValueError)
     "factorizations": Row(
         [(4, 4)],

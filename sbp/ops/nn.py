@@ -277,10 +277,10 @@ def nll_loss_backward(call: Call) -> list[Strategy]:
     S0 = split(0)
     reduction = call.arg(4, "reduction")
     first = {0: S0} if reduction == 0 else {}
-    return [
-        Strategy(by_position(call, {}), (B,)),
-        Strategy(by_position(call, {**first, 1: S0, 2: S0}), (S0,)),
-    ]
+    cands = [Strategy(by_position(call, {}), (B,))]
+    if call.arg(1, "self").dim() > 1:  # (one unbatched sample, (C,): no batch to split)
+        cands.append(Strategy(by_position(call, {**first, 1: S0, 2: S0}), (S0,)))
+    return cands
 
 
 # ---------------------------------------------------------------- pooling, layer norm, embedding
@@ -358,7 +358,9 @@ LOCAL_INDEX_OPS.update(
 @register_strategy(aten.embedding_dense_backward)
 def embedding_backward(call: Call) -> list[Strategy]:
     ndim = len(call.specs[1].shape)
-    cands = [Strategy((B, B), (B,))] + [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
+    cands = [Strategy((B, B), (B,))]
+    if not call.arg(4, "scale_grad_by_freq", False):  # (else: counts over all the indices)
+        cands += [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
     cands.append(Strategy((P, B), (P,)))  # linear in the gradient (position ids: broadcast)
     return cands + [Strategy((split(ndim), B), (split(1),))]  # column split
 

@@ -346,6 +346,7 @@ FORMULA_BUFFER_OPS = frozenset(
         torch.ops.aten.scatter,
         torch.ops.aten.index_fill,
         torch.ops.aten.cat,
+        torch.ops.aten.stack,  # (unbind's backward: zeros for the unused parts)
         torch.ops.aten.index_put,
     }
 )
