@@ -410,6 +410,16 @@ ROWS = {
         [(S0, B), (B, B)],
         two_d=[((B, B), (B, B))],
     ),
+    "unsafe_split_chunk": Row(  # (the gates of torch's LSTM and GRU cells)
+        [(6, 5)],
+        lambda x: (
+            *x.unsafe_chunk(3, 0),
+            *torch.unsafe_split(x, 2, 1),
+            *x.unsafe_split_with_sizes([1, 4], 1),
+        ),
+        [(S0,), (S1,), (P,), (B,)],
+        two_d=[((S0, S1),)],
+    ),
     # factorizations check their error codes in an op that returns nothing (a ValueError)
     "factorizations": Row(
         [(4, 4)],
@@ -962,3 +972,19 @@ def test_embedding_bag_of_a_split_batch(pool2):
     for got in pool2.run(_embedding_bags, 2):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _unsafe_splits():
+    P_ = sbp.placement("cpu", [0, 1])
+    x = sbp.tensor(torch.arange(30.0).view(6, 5), P_, S0)
+    with sbp.comm_stats() as st:
+        parts = [*x.unsafe_chunk(3, 1), *torch.unsafe_split(x, 2, 1)]
+    return [p.sbp for p in parts], dict(st.fallbacks), dict(st.by_kind)
+
+
+def test_unsafe_splits_keep_the_split_and_move_nothing(pool2):
+    """torch's LSTM and GRU cells cut their gates with unsafe_chunk: before, no rule (the
+    broadcast fallback gathered the batch at every step)."""
+    for layouts, fallbacks, collectives in pool2.run(_unsafe_splits):
+        assert layouts == [(S0,)] * 6
+        assert fallbacks == {} and collectives == {}

@@ -246,7 +246,16 @@ def concat(call: Call) -> list[Strategy]:
     ]
 
 
-@register_strategy(aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)
+@register_strategy(
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.chunk,
+    # (not views to autograd: the gates of torch's LSTM and GRU cells)
+    aten.unsafe_split,
+    aten.unsafe_split_with_sizes,
+    aten.unsafe_chunk,
+)
 def splitting(call: Call) -> list[Strategy]:
     ndim = len(call.specs[0].shape)
     unbind = call.func.overloadpacket is aten.unbind
