@@ -82,6 +82,10 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     grad = TORCH_GRAD.__get__(leaf)  # (a waiting gradient is whole already: not this one)
     spec = getattr(grad, "_spec", None)  # (only global tensors have one)
     if spec is None:
+        if grad is not None and (grad._is_zerotensor() or not grad.any()):
+            # torch's formulas make a zero gradient from sizes alone (`sgn`, `copysign`'s
+            # sign operand), a plain tensor: the leaf's zeros, in its layout
+            _zero_grad(leaf, grad)
         return
     if not grad._local.is_contiguous():
         # An expanded gradient (`p.sum()`'s, one element seen everywhere): torch's
@@ -113,6 +117,14 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     from sbp.tensor import box
 
     grad._local, grad._spec = box(grad._local, grad._spec, target), target
+
+
+def _zero_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    from sbp.tensor import GlobalTensor
+
+    spec = leaf._spec._replace(dtype=grad.dtype)
+    local = torch.zeros(spec.local_shape(env.get_rank()), dtype=grad.dtype, device=grad.device)
+    leaf.grad = GlobalTensor(local, spec)
 
 
 def _accumulate_partially(leaf_ref: weakref.ref, new_grad: torch.Tensor) -> None:

@@ -988,3 +988,32 @@ def test_unsafe_splits_keep_the_split_and_move_nothing(pool2):
     for layouts, fallbacks, collectives in pool2.run(_unsafe_splits):
         assert layouts == [(S0,)] * 6
         assert fallbacks == {} and collectives == {}
+
+
+def _zero_gradients(x0):
+    P_ = sbp.placement("cpu", [0, 1])
+    x = sbp.tensor(x0, P_, S0, requires_grad=True)
+    x.sgn().sum().backward()
+    a = sbp.tensor(x0, P_, S0, requires_grad=True)
+    b = sbp.tensor(-x0, P_, S1, requires_grad=True)
+    torch.copysign(a, b).sum().backward()
+    return [(type(t.grad).__name__, t.grad.sbp, t.grad.full_tensor()) for t in (x, a, b)]
+
+
+def test_zero_gradients_torch_makes_from_sizes_are_global(pool2):
+    """sgn's gradient and copysign's for its sign operand are zeros torch's formulas make
+    from sizes alone, plain tensors (before: `x.grad` a plain torch.Tensor); they become
+    the leaf's zeros, in its layout."""
+    x0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = []
+    for fn in (lambda x: x.sgn(), lambda a: torch.copysign(a, -x0)):
+        t = x0.clone().requires_grad_()
+        fn(t).sum().backward()
+        want.append(t.grad)
+    b = (-x0).clone().requires_grad_()
+    torch.copysign(x0, b).sum().backward()
+    want.append(b.grad)
+    for grads in pool2.run(_zero_gradients, x0):
+        for (kind, layout, got), ref, leaf in zip(grads, want, (S0, S0, S1), strict=True):
+            assert kind == "GlobalTensor" and layout == (leaf,)
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
