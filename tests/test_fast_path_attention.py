@@ -257,3 +257,35 @@ def test_transformer_layers_with_dropout_take_the_fast_path(pool2):
     for losses, _, paths in pool2.run(_train, make, data, sbp.placement("cpu", [0, 1])):
         assert paths == ["fast"] * len(data)
         assert all(0 < loss < 10 for loss in losses)
+
+
+def _encoder_in_eval(nested: bool, P=None):
+    """nn.TransformerEncoder in eval mode, without grad, given a key padding mask."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(E, HEADS, 16, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).double().eval()
+    x, pad, _ = _data(6, steps=1)[0]
+    if P is not None:
+        encoder.to_global(P, B)
+        x, pad = sbp.tensor(x, placement=P, sbp=S0), sbp.tensor(pad, placement=P, sbp=S0)
+    try:
+        with torch.no_grad():
+            out = encoder(x, src_key_padding_mask=pad)
+    except sbp.SbpError as e:
+        return type(e).__name__, str(e)
+    if P is None:
+        return out
+    return out.full_tensor(), sbp.nn.fast_path.state(encoder).last_path
+
+
+def test_transformer_encoder_in_eval_with_a_padding_mask(pool2):
+    """torch's encoder takes nested tensors there (before: a raw NotImplementedError from
+    the meta kernel sbp asks for, op by op): a named error on every rank, saying to build
+    it with enable_nested_tensor=False, which runs on the fast path as one process."""
+    P = sbp.placement("cpu", [0, 1])
+    for kind, message in pool2.run(_encoder_in_eval, True, P):
+        assert kind == "InputTypeError" and "enable_nested_tensor=False" in message
+    want = _encoder_in_eval(False)
+    for out, path in pool2.run(_encoder_in_eval, False, P):
+        assert path == "fast"
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)

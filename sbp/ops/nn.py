@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from sbp import env
-from sbp.errors import LabelRangeError, SbpError
+from sbp.errors import InputTypeError, LabelRangeError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
@@ -363,6 +363,17 @@ def embedding_backward(call: Call) -> list[Strategy]:
         cands += [Strategy((split(d), split(d)), (P,)) for d in range(ndim)]
     cands.append(Strategy((P, B), (P,)))  # linear in the gradient (position ids: broadcast)
     return cands + [Strategy((split(ndim), B), (split(1),))]  # column split
+
+
+@register(aten._nested_tensor_from_mask.default, aten._nested_tensor_from_mask_left_aligned.default)
+def nested_from_mask(func, args, kwargs):
+    """nn.TransformerEncoder's nested-tensor path (eval, no grad, a key padding mask), which
+    torch takes on global tensors: no nested tensor is global."""
+    raise InputTypeError(
+        f"{func}: nested tensors are not global; nn.TransformerEncoder takes them in eval "
+        "mode without grad where given a src_key_padding_mask: build it with "
+        "enable_nested_tensor=False"
+    )
 
 
 # ---------------------------------------------------------------- dropout and random ops
