@@ -997,13 +997,17 @@ def _zero_gradients(x0):
     a = sbp.tensor(x0, P_, S0, requires_grad=True)
     b = sbp.tensor(-x0, P_, S1, requires_grad=True)
     torch.copysign(a, b).sum().backward()
-    return [(type(t.grad).__name__, t.grad.sbp, t.grad.full_tensor()) for t in (x, a, b)]
+    c = sbp.tensor(x0, P_, S1, requires_grad=True)
+    (c.sgn() * c).sum().backward()  # (torch adds the zero to the other part's gradient)
+    return [(type(t.grad).__name__, t.grad.sbp, t.grad.full_tensor()) for t in (x, a, b, c)]
 
 
 def test_zero_gradients_torch_makes_from_sizes_are_global(pool2):
     """sgn's gradient and copysign's for its sign operand are zeros torch's formulas make
     from sizes alone, plain tensors (before: `x.grad` a plain torch.Tensor); they become
-    the leaf's zeros, in its layout."""
+    the leaf's zeros, in its layout. Added to another gradient (`x.sgn() * x`), torch's
+    kernel asks the global one for its metadata on the meta device (before:
+    DeviceMismatchError)."""
     x0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     want = []
     for fn in (lambda x: x.sgn(), lambda a: torch.copysign(a, -x0)):
@@ -1013,7 +1017,10 @@ def test_zero_gradients_torch_makes_from_sizes_are_global(pool2):
     b = (-x0).clone().requires_grad_()
     torch.copysign(x0, b).sum().backward()
     want.append(b.grad)
+    c = x0.clone().requires_grad_()
+    (c.sgn() * c).sum().backward()
+    want.append(c.grad)
     for grads in pool2.run(_zero_gradients, x0):
-        for (kind, layout, got), ref, leaf in zip(grads, want, (S0, S0, S1), strict=True):
+        for (kind, layout, got), ref, leaf in zip(grads, want, (S0, S0, S1, S1), strict=True):
             assert kind == "GlobalTensor" and layout == (leaf,)
             torch.testing.assert_close(got, ref, rtol=0, atol=0)

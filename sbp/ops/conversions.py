@@ -4,7 +4,9 @@
 given ("Cannot copy out of meta tensor"), so it has its own rule: the local
 tensor is converted, the spec takes the new dtype. A device of the placement's
 type means this rank's device of the placement (cuda:LOCAL_RANK); another device
-type is another placement, a `DeviceMismatchError`.
+type is another placement, a `DeviceMismatchError`; but in backward the meta device
+gives a plain meta tensor of the logical shape: metadata, which torch's kernels for a
+zero gradient ask of the other operand (`x.sgn() * x`'s gradient adds one).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def to_copy(func, args, kwargs):
     device = kwargs.get("device")
     if device is not None:
         device = torch.device(device)
+        if device.type == "meta" and torch._C._current_graph_task_id() >= 0:
+            # (in backward: torch's kernels for a zero gradient, after the result's metadata)
+            dtype = kwargs.get("dtype") or g.dtype
+            return torch.empty(g.shape, dtype=dtype, device="meta")
         if device.type != P.type:
             raise DeviceMismatchError(
                 f"{func}: device={device} but the global tensor's placement type is "
