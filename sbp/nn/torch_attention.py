@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sbp.layout import GlobalSpec
 from sbp.signature import is_all_broadcast, split
 from sbp.tensor import GlobalTensor
 
@@ -41,6 +42,16 @@ def _moved(data_nd: tuple, dim: int) -> tuple:
     return tuple(split(dim) if s.is_split else s for s in data_nd)
 
 
+def _whole_samples(query: GlobalSpec, heads: int, rows: int, data_nd: tuple) -> bool:
+    """Does a split of `rows` (batch x heads) rows laid out as the batch give every rank
+    the rows of its own samples (query: (L, N, E), its batch on dim 1)?"""
+    merged = GlobalSpec(query.placement, data_nd, (rows,), query.dtype)
+    return all(
+        merged.local_shape(r)[0] == query.local_shape(r)[1] * heads
+        for r in query.placement.flat_ranks
+    )
+
+
 def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
     """ "" where the call's local run on each rank's tensors gives that rank's rows of the
     logical result; else why not. Decided from the layouts alone, alike on every rank."""
@@ -54,6 +65,10 @@ def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
     batch = _moved(data_nd, 1)
     spec = query._spec
     heads = bound["num_heads"]
+    if dropout and not _whole_samples(spec, heads, spec.shape[1] * heads, data_nd):
+        # (the masks follow the rows of the merged (batch x heads) dim: only where its
+        # split falls at whole samples are the op-by-op path's masks the local run's)
+        return "dropout on (batch x heads) rows split within a sample"
     for name, value in bound.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -64,10 +79,8 @@ def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
         elif name in _PER_SAMPLE and value.dim() == 2:
             ok = tuple(value.sbp) == data_nd and value.shape[0] == query.shape[1]
         elif name in _PER_HEAD and value.dim() == 3:
-            # (N * heads) rows split with each rank's samples: boundaries at whole samples
-            ok = tuple(value.sbp) == data_nd and all(
-                value._spec.local_shape(r)[0] == spec.local_shape(r)[1] * heads
-                for r in spec.placement.flat_ranks
+            ok = tuple(value.sbp) == data_nd and _whole_samples(
+                spec, heads, value.shape[0], data_nd
             )
         else:
             ok = is_all_broadcast(value.sbp)
