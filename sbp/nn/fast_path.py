@@ -342,11 +342,13 @@ def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
     )
 
 
-class _FusedDropouts(TorchFunctionMode):
-    """In the checking pass: attention with dropout (`F.scaled_dot_product_attention`'s
-    `dropout_p`) off the CPU draws its masks inside torch's fused kernel, where the local
-    run cannot draw the op-by-op path's masks, so the module runs op by op. On the CPU torch
-    computes it as a composite whose `bernoulli_` the check sees (`_Run.attention`)."""
+class _AttentionCalls(TorchFunctionMode):
+    """In the checking pass, torch's attention functions as called:
+    - `F.scaled_dot_product_attention` with dropout (`dropout_p`) off the CPU draws its
+      masks inside torch's fused kernel, where the local run cannot draw the op-by-op
+      path's masks, so the module runs op by op. On the CPU torch computes it as a
+      composite whose `bernoulli_` the check sees (`_Run.attention`);
+    - `F.multi_head_attention_forward` is taken as a whole (`_Check.torch_attention`)."""
 
     def __init__(self, check: _Check):
         super().__init__()
@@ -1130,10 +1132,10 @@ class DataParallel:
         registry.observers.append(check)
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
-            modes = torch._C._len_torch_function_stack() + 1  # (with _FusedDropouts)
+            modes = torch._C._len_torch_function_stack() + 1  # (with _AttentionCalls)
             by_name = _by_name_replaced(_called_by_name(check, modes))
             row_wise = row_wise_calls.unjudged(check, _batch_size(args, kwargs, data_nd))
-            with torch.no_grad(), counted, by_name, row_wise, _FusedDropouts(check):
+            with torch.no_grad(), counted, by_name, row_wise, _AttentionCalls(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
         finally:

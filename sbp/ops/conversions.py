@@ -37,12 +37,12 @@ def to_copy(func, args, kwargs):
     g = args[0]
     P = g._spec.placement
     kwargs = dict(kwargs)
+    dtype = kwargs.get("dtype") or g.dtype
     device = kwargs.get("device")
     if device is not None:
         device = torch.device(device)
         if device.type == "meta" and torch._C._current_graph_task_id() >= 0:
             # (in backward: torch's kernels for a zero gradient, after the result's metadata)
-            dtype = kwargs.get("dtype") or g.dtype
             return torch.empty(g.shape, dtype=dtype, device="meta")
         if device.type != P.type:
             raise DeviceMismatchError(
@@ -50,7 +50,6 @@ def to_copy(func, args, kwargs):
                 f"{P.type!r}; move it with x.to_global(sbp.placement({device.type!r}, ...))"
             )
         kwargs["device"] = local_device(P.type)
-    dtype = kwargs.get("dtype") or g.dtype
     if any(s.is_partial for s in g._spec.nd_sbp) and not _keeps_partials(g._spec, dtype):
         g = without_partials(g)
     local = func(g._local, **kwargs) if env.get_rank() in P else g._local.to(dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sbp.ops.registry import Call, Strategy, register_strategy
+from sbp.ops.registry import Call, Strategy, register_strategy, split_leading_dims
 from sbp.signature import SBP, broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -90,27 +90,16 @@ def dot(call: Call) -> list[Strategy]:
     ]
 
 
-def _batch_dims(call: Call, matrix_dims: int = 2) -> list[Strategy]:
-    """Candidates of an op on the last `matrix_dims` dims taken whole: broadcast, or split
-    alike along a batch dim."""
-    ndim = len(call.specs[0].shape)
-    n = len(call.specs)
-    n_out = sum(m is not None for m in call.out_meta)
-    return [Strategy((B,) * n, (B,) * n_out)] + [
-        Strategy((split(d),) * n, (split(d),) * n_out) for d in range(ndim - matrix_dims)
-    ]
-
-
 @register_strategy(aten.tril, aten.triu, aten.tril_, aten.triu_)
 def triangle(call: Call) -> list[Strategy]:
     """A triangle keeps or zeroes each entry by its place alone: linear, so a partial sum's
     parts give the parts of the result."""
-    return [*_batch_dims(call), Strategy((P,), (P,))]
+    return [*split_leading_dims(call, 1, 1), Strategy((P,), (P,))]
 
 
 @register_strategy(aten.linalg_matrix_exp)
 def matrix_exp(call: Call) -> list[Strategy]:
-    return _batch_dims(call)
+    return split_leading_dims(call, 1, 1)
 
 
 _WEIGHT_NORM = (aten._weight_norm_interface.default,)

@@ -25,6 +25,7 @@ from sbp.ops.registry import (
     register,
     register_strategy,
     split_except_dim,
+    split_leading_dims,
     without_partials,
 )
 from sbp.ops.writes import assign
@@ -286,16 +287,9 @@ def nll_loss_backward(call: Call) -> list[Strategy]:
 # ---------------------------------------------------------------- pooling, layer norm, embedding
 
 
-def _leading(call: Call, n_in: int, n_out: int, spatial: int = 2) -> list[Strategy]:
-    ndim = len(call.specs[0].shape)
-    cands = [Strategy((B,) * n_in, (B,) * n_out)]
-    cands += [Strategy((split(d),) * n_in, (split(d),) * n_out) for d in range(ndim - spatial)]
-    return cands
-
-
 @register_strategy(aten.max_pool2d_with_indices, aten._adaptive_avg_pool2d, aten.avg_pool2d)
 def pool(call: Call) -> list[Strategy]:
-    return _leading(call, 1, sum(m is not None for m in call.out_meta))
+    return split_leading_dims(call, 1, sum(m is not None for m in call.out_meta))
 
 
 @register_strategy(
@@ -304,7 +298,7 @@ def pool(call: Call) -> list[Strategy]:
     aten.avg_pool2d_backward,
 )
 def pool_backward(call: Call) -> list[Strategy]:
-    return _leading(call, len(call.specs), 1)
+    return split_leading_dims(call, len(call.specs), 1)
 
 
 @register_strategy(aten.native_layer_norm)

@@ -9,6 +9,7 @@ again). Norms go through the norm rule per tensor.
 
 from __future__ import annotations
 
+import functools
 from itertools import repeat
 from operator import attrgetter, is_
 
@@ -38,6 +39,7 @@ def is_list_op(func) -> bool:
     return bool(args) and str(args[0].type).startswith("List[Tensor")
 
 
+@functools.cache
 def _scalars_index(func) -> int | None:
     """Where `func` takes `Tensor scalars`: the number per list entry, as a 1-d tensor
     (`_foreach_addcdiv_.Tensor`, which a compiled Adam step calls with its step sizes)."""

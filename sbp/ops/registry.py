@@ -83,6 +83,16 @@ class StrategyRule:
     check: Callable | None = None
 
 
+def split_leading_dims(call: Call, n_in: int, n_out: int, trailing: int = 2) -> list[Strategy]:
+    """Candidates of an op on its last `trailing` dims taken whole (pooling's spatial dims,
+    a matrix function's matrix): broadcast, or every tensor split alike along a dim before
+    them."""
+    ndim = len(call.specs[0].shape)
+    cands = [Strategy((broadcast,) * n_in, (broadcast,) * n_out)]
+    cands += [Strategy((split(d),) * n_in, (split(d),) * n_out) for d in range(ndim - trailing)]
+    return cands
+
+
 def split_except_dim(
     call: Call, dim_pos: int, n_in: int, n_out: int = 1, default: int | None = None
 ) -> list[Strategy]:
@@ -482,12 +492,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if g._copy_of is not None:  # a view of a copy: writes go on up
             mark_view(func, args, kwargs, [out], False, False)
         return out
-    if func not in _resolved:
-        _resolve(func)  # (a list op joins _list_ops: its rule checks its arguments itself)
+    rule = _resolved.get(func)
+    if rule is None:
+        rule = _resolve(func)  # (a list op joins _list_ops: its rule checks its arguments)
     if func in _list_ops:
         if observers:
             observers[-1].custom(func, args)
-        return _resolved[func](func, args, kwargs)
+        return rule(func, args, kwargs)
     flat, tree = flatten(args, kwargs)
     key, gpos = scan(func, flat, tree)
     d = _cache.get(key)
@@ -522,7 +533,6 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if copied or (d.view and flat[0]._copy_of is not None):  # writes go on to the base
             mark_view(func, *unflatten(flat, tree), [out], False, copied)
         return out
-    rule = _resolve(func)
     if type(rule) is StrategyRule:
         if rule is _FALLBACK:
             _warn_fallback(func)
