@@ -20,8 +20,8 @@ world of two (each rank holds half the batch)
                     whole batch's BatchNorm statistics, the work of global-compiled
   global-eager      parameters broadcast, batch split(0) over both ranks
   global-compiled   the same, torch.compile(model): logical BatchNorm (the whole batch's
-                    statistics: a small all-reduce per layer forward and backward), which
-                    a compiled local forward cannot do, so it is traced op by op
+                    statistics: a small all-reduce per layer forward and backward), in
+                    the fast path's compiled local forward
   global-local-compiled  the same with per-shard BatchNorm
                     (`sbp.nn.data_parallel(model, batch_norm="local")`), which is what
                     DDP computes: the same work as ddp-compiled; the fast path, its local

@@ -865,25 +865,40 @@ def test_per_shard_batch_norm_with_an_empty_shard(pool4, path):
         assert torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-12)
 
 
-def _logical_compiled_with_an_empty_shard():
+def _logical_compiled_with_an_empty_shard(backend):
+    import sbp.nn
+
     P = sbp.placement("cpu", [0, 1, 2, 3])
     x, y = _data(n=3, steps=1, shape=(3, 8, 8), classes=4)[0]
     torch.manual_seed(0)
     model = ConvBN().double().to_global(P, B)
-    out = torch.compile(model, backend="aot_eager")(_global(x, P))
-    F.cross_entropy(out, _global(y, P)).backward()
-    return out.full_tensor().detach(), [p.grad.full_tensor() for p in model.parameters()]
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out = torch.compile(model, backend=backend)(_global(x, P))
+        F.cross_entropy(out, _global(y, P)).backward()
+    torch._dynamo.reset()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    state = sbp.nn.fast_path.state(model)
+    return state.last_path, out.full_tensor().detach(), grads, model.bn.running_var.to_local()
 
 
-def test_logical_batch_norm_compiled_with_an_empty_shard(pool4):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_logical_batch_norm_compiled_with_an_empty_shard(pool4, backend):
+    """Three samples over four ranks: the last rank's shard is empty. Inductor's own
+    convolution backward fails on an empty batch (plain torch too), on that rank alone,
+    and the others waited: a layout that leaves a rank no samples runs its local forward
+    eagerly, on every rank alike; equal to one process."""
     x, y = _data(n=3, steps=1, shape=(3, 8, 8), classes=4)[0]
     torch.manual_seed(0)
     ref = ConvBN().double()
     want = ref(x)
     F.cross_entropy(want, y).backward()
-    for out, grads in pool4.run(_logical_compiled_with_an_empty_shard, timeout=300):
+    results = pool4.run(_logical_compiled_with_an_empty_shard, backend, timeout=300)
+    for path, out, grads, running_var in results:
+        assert path == "fast"
         assert torch.allclose(out, want.detach(), rtol=1e-12, atol=1e-12)
         assert _rel(grads, [p.grad for p in ref.parameters()]) < 1e-12
+        assert torch.allclose(running_var, ref.bn.running_var, rtol=1e-12, atol=1e-14)
 
 
 def _per_shard_on_two_of_four(path):
@@ -1839,50 +1854,80 @@ def test_torch_compile_of_a_model_with_varying_batch_sizes():
     assert len(runs) == len(sizes)
 
 
-def _torch_compiled_logical(data):
+def _aot_recording():
+    """aot_eager that records what Dynamo hands it: (input types, call targets) per graph."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        types = {type(t) for t in example_inputs if isinstance(t, torch.Tensor)}
+        graphs.append((types, {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+        return aot_eager(gm, example_inputs)
+
+    return backend, graphs
+
+
+def _logical_compiled(data, how, make_model=ConvBN):
+    """`how`: "model" (torch.compile of the model) or "local" (data_parallel(compile=...))."""
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = _train(ConvBN, sbp.placement("cpu", [0, 1]), S0, True, data, compiled="aot_eager")
-    torch._dynamo.reset()
-    return got, [str(w.message) for w in caught if "not compiled" in str(w.message)]
-
-
-def test_torch_compile_of_a_model_with_logical_batch_norm(pool2):
-    """Logical BatchNorm over two ranks cannot run in a compiled local forward: under
-    torch.compile(model) the call runs op by op, compiled (the statistics' all-reduces in the
-    graph), without the eager run's warning; equal to one process."""
-    data = _data(n=6, steps=2, shape=(3, 5, 5), classes=4)
-    ref = _train(ConvBN, None, None, None, data)
-    for got, warned in pool2.run(_torch_compiled_logical, data):
-        assert got[3] == ["per-op"] * 2 and warned == []
-        for a, b in zip(got[0], ref[0], strict=True):
-            assert abs(a - b) <= 1e-12 * abs(b)
-        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
-
-
-def _logical_compile_local(data):
-    import warnings
-
+    backend, graphs = _aot_recording()
+    options = {"compiled": backend} if how == "model" else {"compile_local": {"backend": backend}}
     P = sbp.placement("cpu", [0, 1])
+    torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _train(ConvBN, P, S0, True, data, compile_local={"backend": "aot_eager"})
-    return got, [str(w.message) for w in caught if "not compiled" in str(w.message)]
+        got = _train(make_model, P, S0, True, data, **options)
+    torch._dynamo.reset()
+    local = [ops for types, ops in graphs if types == {torch.Tensor} and ops]
+    reduced = any("sbp.small_all_reduce" in op for ops in local for op in ops)
+    return got, [str(w.message) for w in caught if str(w.message).startswith("sbp:")], reduced
 
 
-def test_compile_local_with_logical_batch_norm_runs_eagerly(pool2):
-    """Logical BatchNorm over two ranks needs the per-call interception: the local forward
-    then runs eagerly, says so once, and still equals one process."""
-    data = _data(n=6, steps=2, shape=(3, 5, 5), classes=4)
+@pytest.mark.parametrize("how", ["model", "local"])
+@pytest.mark.parametrize("n", [6, 7])
+def test_compiled_local_forward_with_logical_batch_norm(pool2, how, n):
+    """Logical BatchNorm over two ranks in a compiled local forward (torch.compile of the
+    model, or data_parallel(compile=...)): the BatchNorm modules compute the logical
+    batch's statistics in the graph, on plain tensors (their table all-reduced by
+    `sbp::small_all_reduce`), with the backward autograd derives; losses, parameters,
+    running statistics and num_batches_tracked equal one process, on an even batch and on
+    an uneven one (4 and 3 samples: the count comes from the table)."""
+    data = _data(n=n, steps=3, shape=(3, 5, 5), classes=4)
     ref = _train(ConvBN, None, None, None, data)
-    for got, warned in pool2.run(_logical_compile_local, data):
-        assert got[3] == ["fast"] * 2
-        assert len(warned) == 1 and "logical BatchNorm" in warned[0]
+    for got, warned, reduced in pool2.run(_logical_compiled, data, how):
+        assert got[3] == ["fast"] * 3 and warned == [] and reduced
         for a, b in zip(got[0], ref[0], strict=True):
             assert abs(a - b) <= 1e-12 * abs(b)
         assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+class _OwnBatchNorm(torch.nn.BatchNorm2d):
+    def forward(self, x):
+        return super().forward(x) * 1.0
+
+
+def _conv_own_bn():
+    model = ConvBN()
+    model.bn = _OwnBatchNorm(6)
+    return model
+
+
+def test_compiled_logical_batch_norm_in_a_module_with_its_own_forward(pool2):
+    """A BatchNorm subclass with a forward of its own cannot be given the logical one: a
+    model under torch.compile then runs op by op (compiled), and the local forward under
+    data_parallel(compile=...) eagerly, saying so; both equal one process."""
+    data = _data(n=6, steps=2, shape=(3, 5, 5), classes=4)
+    ref = _train(_conv_own_bn, None, None, None, data)
+    for how, path in (("model", "per-op"), ("local", "fast")):
+        for got, warned, _ in pool2.run(_logical_compiled, data, how, _conv_own_bn):
+            assert got[3] == [path] * 2
+            if how == "local":
+                assert len(warned) == 1 and "its own forward" in warned[0]
+            for a, b in zip(got[0], ref[0], strict=True):
+                assert abs(a - b) <= 1e-12 * abs(b)
+            assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
 
 
 def test_bucket_size_is_checked():
@@ -1941,7 +1986,7 @@ def _adapting_batch_norm(x, compile_local, batch_norm):
 @pytest.mark.parametrize("compile_local", [False, True])
 def test_batch_norm_in_train_mode_inside_a_model_in_eval_mode(pool2, compile_local):
     """What the checking pass recorded decides, not the model's own mode: logical BatchNorm
-    equals one process (the compiled local forward declines it), and per-shard running
+    equals one process (compiled too: the modules' logical forward), and per-shard running
     statistics are the first rank's on both ranks."""
     x, _ = _data(n=8, steps=1, shape=(3, 5, 5), classes=4)[0]
     torch.manual_seed(0)

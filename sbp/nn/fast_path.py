@@ -52,7 +52,14 @@ from torch.utils._pytree import tree_flatten
 from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError, PlacementError
 from sbp.layout import GlobalSpec
-from sbp.nn import outputs, recomputation, row_wise_calls, shard_batch_norm, torch_attention
+from sbp.nn import (
+    compiled_batch_norm,
+    outputs,
+    recomputation,
+    row_wise_calls,
+    shard_batch_norm,
+    torch_attention,
+)
 from sbp.nn.names_replaced import NamesReplaced
 from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
@@ -96,6 +103,9 @@ class Layout:
     # per output leaf on this rank, found at the first local run: (rank, [(local shape, the
     # gradient's spec) or None for a plain value]); the layout's inputs fix data_nd
     exits: tuple | None = None
+    # a rank's part of the batch is empty (fewer samples than parts): its local forward runs
+    # eagerly, as Inductor's convolution backward fails on an empty batch (torch 2.14)
+    empty_part: bool = False
     tried: bool = False  # a local run of it completed (`DataParallel._first_local_run`)
     # the checking pass's outputs' local tensors and the buffers it left, until then
     expected: tuple | None = None
@@ -920,6 +930,11 @@ class DataParallel:
         self._reducer_key: tuple | None = None
         self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
         self.shard_batch_norms: list = []  # batch_norm="local": modules with the per-shard forward
+        # batch_norm="global" in a compiled local forward: modules with the logical forward,
+        # installed for `_special` (the modules found with it), and their ranks
+        self.logical_batch_norms: list = []
+        self._logical_for: list | None = None
+        self._bn_groups = compiled_batch_norm.Groups()
         self.compile_options: dict | None = None  # torch.compile's options for the local forward
         self._compiled: list = []  # [(options, the forward under torch.compile)]
         self._compile_declined = False  # warned that a call runs eagerly
@@ -966,6 +981,8 @@ class DataParallel:
                 )
         else:
             self._layouts.move_to_end(key)
+        if layout.empty_part:
+            backend = None
         if not layout.ok or (
             backend is not None and self._local_compile_declined(layout, data_nd) is not None
         ):
@@ -1134,7 +1151,8 @@ class DataParallel:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
             modes = torch._C._len_torch_function_stack() + 1  # (with _AttentionCalls)
             by_name = _by_name_replaced(_called_by_name(check, modes))
-            row_wise = row_wise_calls.unjudged(check, _batch_size(args, kwargs, data_nd))
+            batch = _batch_size(args, kwargs, data_nd)
+            row_wise = row_wise_calls.unjudged(check, batch)
             with torch.no_grad(), counted, by_name, row_wise, _AttentionCalls(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
@@ -1167,6 +1185,7 @@ class DataParallel:
             losses=check.losses,
             in_modules=not check.outside_modules,
             index_inputs=check.indexed_inputs(args, kwargs),
+            empty_part=batch is not None and batch < len(self.group(data_nd)),
         )
 
     # ------------------------------------------------------------ local run
@@ -1219,8 +1238,10 @@ class DataParallel:
         if compiled is not None:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
             forward, local_ops = compiled, contextlib.nullcontext()
-            if len(run.group) > 1:
+            if len(run.group) > 1 and self.batch_norm == "local":
                 run.to_sync = [t._local for t in shard_batch_norm.running_statistics(self._special)]
+            elif len(run.group) > 1 and layout.bn_counts:
+                local_ops = self._logical_batch_norm(run.group)
         elif not (layout.bn_counts or layout.dropouts or layout.losses):
             # no train-mode BatchNorm, dropout or loss (whatever the module's own mode says)
             forward, local_ops = self._original, contextlib.nullcontext()
@@ -1267,15 +1288,15 @@ class DataParallel:
         run op by op either: torch's backward makes the unused outputs' zero gradients
         plain tensors, which AOT autograd refuses for global outputs)."""
         options = self.compile_options
+        if layout.empty_part:
+            return None
         if options is None:
             if backend is None:
                 return None
             options = {"backend": backend}
         # (a call from torch.compile was checked in `call`, which ran it op by op if declined)
         why = None if backend is not None else self._local_compile_declined(layout, run.data_nd)
-        if why is not None:
-            why += " (batch_norm='local' compiles)"
-        elif layout.losses:
+        if why is None and layout.losses:
             why = "it computes a loss over the logical batch"
         if why is not None:
             if not self._compile_declined:
@@ -1289,9 +1310,11 @@ class DataParallel:
         return self._compiled_with(options)
 
     def _local_compile_declined(self, layout: Layout, data_nd: tuple) -> str | None:
-        """Why the local forward cannot be compiled for this layout, or None: logical
-        BatchNorm over several ranks (the ranks splitting the batch, by `data_nd`), or
-        F.batch_norm outside BatchNorm modules, which the eager run intercepts per call."""
+        """Why the local forward cannot be compiled for this layout, or None: F.batch_norm
+        outside BatchNorm modules, which the eager run intercepts per call, or logical
+        BatchNorm over several ranks (the ranks splitting the batch, by `data_nd`) in a
+        BatchNorm module with a forward of its own (`compiled_batch_norm` replaces
+        torch's)."""
         # (what the checking pass recorded, not module.training: a BatchNorm submodule
         # may be in train mode inside a model in eval mode, as when adapting statistics)
         if not layout.bn_counts:
@@ -1299,8 +1322,30 @@ class DataParallel:
         if not layout.in_modules:
             return "F.batch_norm called outside BatchNorm modules"
         if self.batch_norm == "global" and len(self.group(data_nd)) > 1:
-            return "logical BatchNorm over several ranks"
+            if any(
+                type(m).forward is not BATCH_NORMS.forward
+                for m in self._special
+                if isinstance(m, BATCH_NORMS)
+            ):
+                return "logical BatchNorm over several ranks in a module with its own forward"
         return None
+
+    @contextlib.contextmanager
+    def _logical_batch_norm(self, group: tuple[int, ...]) -> Iterator[None]:
+        """While a compiled local forward runs: its BatchNorm modules compute the logical
+        batch's statistics over `group` (`compiled_batch_norm`)."""
+        if self._logical_for is not self._special:  # (installed for the modules found now)
+            compiled_batch_norm.remove(self.logical_batch_norms)
+            self.logical_batch_norms = compiled_batch_norm.install(
+                self._module_ref, self._bn_groups
+            )
+            self._logical_for = self._special
+        groups = self._bn_groups
+        groups.ranks, groups.index = group, group.index(env.get_rank())
+        try:
+            yield
+        finally:
+            groups.ranks = None
 
     def _compiled_with(self, options: dict) -> Callable:
         """The module's own forward under torch.compile with `options`, made once per
@@ -1589,6 +1634,7 @@ def detach_fast_path(module: torch.nn.Module) -> None:
     if fast is not None:
         fast.settle_buffers()
         shard_batch_norm.remove(fast.shard_batch_norms)
+        compiled_batch_norm.remove(fast.logical_batch_norms)
         module.__dict__.pop("forward", None)
         module.__dict__.pop("zero_grad", None)
 
@@ -1639,6 +1685,8 @@ def data_parallel(
             raise SbpError(f"batch_norm must be 'global' or 'local', got {batch_norm!r}")
         s.batch_norm = batch_norm
         shard_batch_norm.remove(s.shard_batch_norms)
+        compiled_batch_norm.remove(s.logical_batch_norms)
+        s.logical_batch_norms, s._logical_for = [], None
         s.shard_batch_norms = shard_batch_norm.install(module) if batch_norm == "local" else []
     if fast is not None:
         s.enabled = bool(fast)

@@ -65,7 +65,7 @@ def _forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     return batch_norm_forward(m, input, per_shard)
 
 
-def _modules(module: torch.nn.Module) -> list[_BatchNorm]:
+def modules(module: torch.nn.Module) -> list[_BatchNorm]:
     """BatchNorm submodules with torch's own forward (BatchNorm1d/2d/3d, not SyncBatchNorm)."""
     return [
         m
@@ -76,10 +76,10 @@ def _modules(module: torch.nn.Module) -> list[_BatchNorm]:
 
 def install(module: torch.nn.Module) -> list[_BatchNorm]:
     """Give the BatchNorm submodules the per-shard forward; returns them."""
-    modules = _modules(module)
-    for m in modules:
+    found = modules(module)
+    for m in found:
         m.__dict__["forward"] = types.MethodType(_forward, m)
-    return modules
+    return found
 
 
 def remove(modules: list[_BatchNorm]) -> None:

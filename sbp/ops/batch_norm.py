@@ -136,6 +136,57 @@ def forward(
     return out, mean, invstd
 
 
+def differentiable_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    ranks: tuple[int, ...],
+    index: int,
+) -> torch.Tensor:
+    """`forward` in differentiable torch ops, for a compiled local forward: Dynamo traces
+    it, Inductor fuses the normalisation with its neighbours, and autograd makes the
+    backward, whose one all-reduce is the table's gradient (`sbp::small_all_reduce`'s own).
+    The statistics are `_statistics`'s (the same table, `index` this rank's row among
+    `ranks`), the logical count read from the table: a graph must not bake in a count
+    that the next batch changes. The table is float64, which holds any count exactly."""
+    C, k = x.shape[1], len(ranks)
+    acc = _acc(x.dtype)
+    dims = [0, *range(2, x.dim())]
+    view = (1, C) + (1,) * (x.dim() - 2)
+    xa = x.to(acc)
+    n = x.numel() // C if C else 0
+    # (no branch for an empty part: its table row stays in the graph, so that the backward
+    # all-reduces the table's gradient on every rank)
+    local_mean = xa.sum(dims) / max(n, 1)
+    spread = (xa - local_mean.view(view)).square().sum(dims)
+    counted = local_mean.new_full((1,), n, dtype=torch.float64)
+    own = torch.cat([local_mean.double(), counted])
+    last = torch.cat([spread.double(), torch.zeros_like(counted)])
+    zeros = torch.zeros_like(own)
+    table = torch.stack([own if r == index else zeros for r in range(k)] + [last])
+    table = torch.ops.sbp.small_all_reduce.default(table, "sum", list(ranks))
+    means, counts = table[:k, :C], table[:k, C]
+    count = counts.sum()
+    mean = (means * counts[:, None]).sum(0) / count
+    var = (((means - mean).square() * counts[:, None]).sum(0) + table[k, :C]) / count
+    out = (xa - mean.to(acc).view(view)) * torch.rsqrt(var.to(acc) + eps).view(view)
+    if weight is not None:
+        out = out * weight.to(acc).view(view)
+    if bias is not None:
+        out = out + bias.to(acc).view(view)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = var * (count / (count - 1).clamp_min(1))
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    return out.to(x.dtype)
+
+
 def backward(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -1,0 +1,65 @@
+"""Logical BatchNorm (`batch_norm="global"`) inside a compiled local forward.
+
+The eager local run intercepts each BatchNorm call (`sbp.nn.fast_path._Run.batch_norm`)
+and computes the logical batch's statistics with an autograd function of its own. A
+forward compiled by torch.compile cannot be intercepted per call (a module's forward
+replaced for every call would fail Dynamo's guards, and recompile), so the BatchNorm
+modules of such a model keep a forward of their own (`install`): on the local tensors of
+a compiled run (`Groups.ranks` set) it is `sbp.ops.batch_norm.differentiable_forward`,
+which Dynamo traces, with the statistics table all-reduced over the ranks that hold
+parts of the batch; everywhere else it is torch's `F.batch_norm`, as before.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from sbp.nn.shard_batch_norm import batch_norm_forward, modules
+from sbp.ops import batch_norm
+from sbp.tensor import GlobalTensor
+
+_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+
+
+class Groups:
+    """The ranks that hold parts of the batch, and this rank's place among them, while a
+    compiled local run is on (None outside: the modules then run as torch's). Dynamo
+    guards the compiled forward on them."""
+
+    def __init__(self) -> None:
+        self.ranks: tuple[int, ...] | None = None
+        self.index = 0
+
+
+def _forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    groups = m.__dict__["_sbp_groups"]
+
+    def logical(x, running_mean, running_var, weight, bias, training, momentum, eps):
+        ranks = groups.ranks
+        if not training or ranks is None or isinstance(x, GlobalTensor):
+            return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+        return batch_norm.differentiable_forward(
+            x, weight, bias, running_mean, running_var, momentum, eps, ranks, groups.index
+        )
+
+    return batch_norm_forward(m, input, logical)
+
+
+def install(module: torch.nn.Module, groups: Groups) -> list[_BatchNorm]:
+    """Give the BatchNorm submodules the forward above; returns them."""
+    found = modules(module)
+    for m in found:
+        m.__dict__["_sbp_groups"] = groups
+        m.__dict__["forward"] = types.MethodType(_forward, m)
+    return found
+
+
+def remove(found: list[_BatchNorm]) -> None:
+    for m in found:
+        own = m.__dict__.get("forward")
+        if isinstance(own, types.MethodType) and own.__func__ is _forward:
+            del m.__dict__["forward"]
+        m.__dict__.pop("_sbp_groups", None)
