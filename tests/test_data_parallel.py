@@ -1855,14 +1855,16 @@ def test_torch_compile_of_a_model_with_varying_batch_sizes():
 
 
 def _aot_recording():
-    """aot_eager that records what Dynamo hands it: (input types, call targets) per graph."""
+    """aot_eager that records what Dynamo hands it: (input types, call targets) per graph,
+    with those of its subgraphs (an autograd function's)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     graphs = []
 
     def backend(gm, example_inputs):
         types = {type(t) for t in example_inputs if isinstance(t, torch.Tensor)}
-        graphs.append((types, {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+        nodes = [n for g in gm.modules() if hasattr(g, "graph") for n in g.graph.nodes]
+        graphs.append((types, {str(n.target) for n in nodes if n.op == "call_function"}))
         return aot_eager(gm, example_inputs)
 
     return backend, graphs

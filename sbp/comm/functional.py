@@ -85,8 +85,9 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.T
 # Defined on the dispatcher directly, not with `torch.library.custom_op`: a compiled graph
 # calls it ~100 times a step, and custom_op's wrappers (autograd redispatch, a guard
 # against Dynamo tracing the body) cost ~35 us a call on top of the ~15 us all-reduce.
-# Inside sbp's rules it runs on local tensors below autograd; its sum has a gradient for
-# the compiled fast path's BatchNorm (`sbp.ops.batch_norm.differentiable_forward`).
+# The op has no autograd kernel (one in Python costs ~13 us a call, also where no gradient
+# is wanted): it runs inside sbp's rules, on local tensors below autograd, and where a
+# gradient is needed an autograd function calls it (`sbp.ops.batch_norm._TableSum`).
 _library = torch.library.Library("sbp", "FRAGMENT")
 _library.define("small_all_reduce(Tensor tensor, str op, int[] ranks) -> Tensor")
 
@@ -111,24 +112,6 @@ _library._register_effectful_op("sbp::small_all_reduce", torch._library.effects.
 @torch.library.register_fake("sbp::small_all_reduce")
 def _(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
     return torch.empty_like(tensor)
-
-
-def _save_reduction(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    _, ctx.op, ctx.ranks = inputs
-
-
-def _sum_gradient(ctx, grad: torch.Tensor) -> tuple:
-    """Each rank's output is the sum of every rank's input, and each rank's loss is its
-    part of the logical one: an input's gradient is the sum of every rank's output
-    gradient."""
-    if ctx.op != "sum":
-        raise RuntimeError(f"sbp::small_all_reduce has no gradient for op {ctx.op!r}")
-    return torch.ops.sbp.small_all_reduce.default(grad.contiguous(), "sum", ctx.ranks), None, None
-
-
-torch.library.register_autograd(
-    "sbp::small_all_reduce", _sum_gradient, setup_context=_save_reduction, lib=_library
-)
 
 
 def small_all_reduce(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:

@@ -149,7 +149,7 @@ def differentiable_forward(
 ) -> torch.Tensor:
     """`forward` in differentiable torch ops, for a compiled local forward: Dynamo traces
     it, Inductor fuses the normalisation with its neighbours, and autograd makes the
-    backward, whose one all-reduce is the table's gradient (`sbp::small_all_reduce`'s own).
+    backward, whose one all-reduce is the table's gradient's (`_TableSum`).
     The statistics are `_statistics`'s (the same table, `index` this rank's row among
     `ranks`), the logical count read from the table: a graph must not bake in a count
     that the next batch changes. The table is float64, which holds any count exactly."""
@@ -168,7 +168,7 @@ def differentiable_forward(
     last = torch.cat([spread.double(), torch.zeros_like(counted)])
     zeros = torch.zeros_like(own)
     table = torch.stack([own if r == index else zeros for r in range(k)] + [last])
-    table = torch.ops.sbp.small_all_reduce.default(table, "sum", list(ranks))
+    table = _TableSum.apply(table, list(ranks))
     means, counts = table[:k, :C], table[:k, C]
     count = counts.sum()
     mean = (means * counts[:, None]).sum(0) / count
@@ -185,6 +185,22 @@ def differentiable_forward(
             unbiased = var * (count / (count - 1).clamp_min(1))
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     return out.to(x.dtype)
+
+
+class _TableSum(torch.autograd.Function):
+    """`sbp::small_all_reduce`'s sum over `ranks`, differentiable (Dynamo traces it): each
+    rank's loss is its part of the logical one, so an input's gradient is the sum of
+    every rank's output gradient. (`_SumOverRanks` goes through `sbp.comm`'s Python,
+    which Dynamo would have to trace.)"""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+        ctx.ranks = ranks
+        return torch.ops.sbp.small_all_reduce.default(t, "sum", ranks)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return torch.ops.sbp.small_all_reduce.default(grad.contiguous(), "sum", ctx.ranks), None
 
 
 def backward(
