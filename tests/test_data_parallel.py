@@ -1870,17 +1870,17 @@ def _aot_recording():
     return backend, graphs
 
 
-def _logical_compiled(data, how, make_model=ConvBN):
+def _logical_compiled(data, how, make_model=ConvBN, P=None, nd=S0):
     """`how`: "model" (torch.compile of the model) or "local" (data_parallel(compile=...))."""
     import warnings
 
     backend, graphs = _aot_recording()
     options = {"compiled": backend} if how == "model" else {"compile_local": {"backend": backend}}
-    P = sbp.placement("cpu", [0, 1])
+    P = sbp.placement("cpu", [0, 1]) if P is None else P
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _train(make_model, P, S0, True, data, **options)
+        got = _train(make_model, P, nd, True, data, **options)
     torch._dynamo.reset()
     local = [ops for types, ops in graphs if types == {torch.Tensor} and ops]
     reduced = any("sbp.small_all_reduce" in op for ops in local for op in ops)
@@ -1900,6 +1900,20 @@ def test_compiled_local_forward_with_logical_batch_norm(pool2, how, n):
     ref = _train(ConvBN, None, None, None, data)
     for got, warned, reduced in pool2.run(_logical_compiled, data, how):
         assert got[3] == ["fast"] * 3 and warned == [] and reduced
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+def test_compiled_logical_batch_norm_on_a_2x2_placement(pool4):
+    """On a 2x2 placement with the batch split along the first hierarchy dim only, each
+    rank's statistics are those of the two ranks holding parts of its batch (which the
+    second dim repeats); equal to one process, on every rank."""
+    data = _data(n=7, steps=2, shape=(3, 5, 5), classes=4)
+    ref = _train(ConvBN, None, None, None, data)
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    for got, warned, reduced in pool4.run(_logical_compiled, data, "model", ConvBN, P, (S0, B)):
+        assert got[3] == ["fast"] * 2 and warned == [] and reduced
         for a, b in zip(got[0], ref[0], strict=True):
             assert abs(a - b) <= 1e-12 * abs(b)
         assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
