@@ -12,12 +12,10 @@ parts of the batch; everywhere else it is torch's `F.batch_norm`, as before.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
-from sbp.nn.shard_batch_norm import batch_norm_forward, modules
+from sbp.nn import shard_batch_norm
 from sbp.ops import batch_norm
 from sbp.tensor import GlobalTensor
 
@@ -45,21 +43,18 @@ def _forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
             x, weight, bias, running_mean, running_var, momentum, eps, ranks, groups.index
         )
 
-    return batch_norm_forward(m, input, logical)
+    return shard_batch_norm.batch_norm_forward(m, input, logical)
 
 
 def install(module: torch.nn.Module, groups: Groups) -> list[_BatchNorm]:
     """Give the BatchNorm submodules the forward above; returns them."""
-    found = modules(module)
+    found = shard_batch_norm.install(module, _forward)
     for m in found:
         m.__dict__["_sbp_groups"] = groups
-        m.__dict__["forward"] = types.MethodType(_forward, m)
     return found
 
 
 def remove(found: list[_BatchNorm]) -> None:
+    shard_batch_norm.remove(found, _forward)
     for m in found:
-        own = m.__dict__.get("forward")
-        if isinstance(own, types.MethodType) and own.__func__ is _forward:
-            del m.__dict__["forward"]
         m.__dict__.pop("_sbp_groups", None)

@@ -74,18 +74,20 @@ def modules(module: torch.nn.Module) -> list[_BatchNorm]:
     ]
 
 
-def install(module: torch.nn.Module) -> list[_BatchNorm]:
-    """Give the BatchNorm submodules the per-shard forward; returns them."""
+def install(module: torch.nn.Module, forward: Callable = _forward) -> list[_BatchNorm]:
+    """Give the BatchNorm submodules `forward(m, input)` (the per-shard one by default);
+    returns them."""
     found = modules(module)
     for m in found:
-        m.__dict__["forward"] = types.MethodType(_forward, m)
+        m.__dict__["forward"] = types.MethodType(forward, m)
     return found
 
 
-def remove(modules: list[_BatchNorm]) -> None:
-    for m in modules:
+def remove(found: list[_BatchNorm], forward: Callable = _forward) -> None:
+    """Take `forward` from the modules `install` gave it."""
+    for m in found:
         own = m.__dict__.get("forward")
-        if isinstance(own, types.MethodType) and own.__func__ is _forward:
+        if isinstance(own, types.MethodType) and own.__func__ is forward:
             del m.__dict__["forward"]
 
 
