@@ -1919,6 +1919,124 @@ def test_compiled_logical_batch_norm_on_a_2x2_placement(pool4):
         assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
 
 
+def _conv_bn_instance_forward():
+    """A BatchNorm whose instance has a forward of its own (as hooks set them)."""
+    model = ConvBN()
+    torch_forward = model.bn.forward
+    model.bn.forward = lambda x: torch_forward(x) * 2.0 + 0.5
+    return model
+
+
+@pytest.mark.parametrize("how", ["model", "local"])
+def test_compiled_logical_batch_norm_keeps_an_instance_forward(pool2, how):
+    """A forward set on a BatchNorm instance is kept and runs (before: the compiled fast
+    path put the logical forward in its place, silently, and removed it for good)."""
+    data = _data(n=6, steps=2, shape=(3, 5, 5), classes=4)
+    ref = _train(_conv_bn_instance_forward, None, None, None, data)
+    for got, _, _ in pool2.run(_logical_compiled, data, how, _conv_bn_instance_forward):
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+def _cumulative_compiled(data):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    got = _logical_compiled(data, "model", _conv_bn_cumulative)[0]
+    return got, counters["stats"]["unique_graphs"]
+
+
+def test_compiled_logical_batch_norm_with_a_cumulative_average(pool2):
+    """momentum=None: the factor changes every step, and the graph must not be made again
+    for each value (before: 11 graphs in 12 steps, then Dynamo's limit and eager frames);
+    equal to one process."""
+    data = _data(n=6, steps=12, shape=(3, 5, 5), classes=4)
+    ref = _train(_conv_bn_cumulative, None, None, None, data)
+    for got, graphs in pool2.run(_cumulative_compiled, data):
+        assert got[3] == ["fast"] * 12 and graphs <= 6
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+def _switched_submodule_mode(x, compiled):
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    outs = []
+    with torch.no_grad():
+        for bn_training in (False, True, False):
+            model.eval()
+            model.bn.train(bn_training)
+            outs.append(run(_global(x, P)).full_tensor())
+    torch._dynamo.reset()
+    return outs, model.bn.running_mean.full_tensor()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_submodule_mode_change_is_a_new_layout(pool2, compiled):
+    """A model in eval mode called, then again with its BatchNorm in train mode, at the same
+    shapes: the second call is checked anew (before: it reused the eval layout, which
+    counted no BatchNorm call, and each rank normalised with its own shard's statistics)."""
+    x = _data(n=6, steps=1, shape=(3, 5, 5), classes=4)[0][0]
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    want = []
+    with torch.no_grad():
+        for bn_training in (False, True, False):
+            ref.eval()
+            ref.bn.train(bn_training)
+            want.append(ref(x))
+    for outs, running_mean in pool2.run(_switched_submodule_mode, x, compiled):
+        for got, expected in zip(outs, want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(running_mean, ref.bn.running_mean, rtol=1e-12, atol=1e-14)
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = ConvBN(), ConvBN()
+
+    def forward(self, x, z):
+        return self.a(x), self.b(z)
+
+
+def _second_input_empty_part(x, z):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    backend, graphs = _aot_recording()
+    torch.manual_seed(0)
+    model = _TwoInputs().double().to_global(P, B)
+    torch._dynamo.reset()
+    oa, ob = torch.compile(model, backend=backend)(_global(x, P), _global(z, P))
+    torch._dynamo.reset()
+    local = [ops for types, ops in graphs if types == {torch.Tensor} and ops]
+    path = sbp.nn.fast_path.state(model).last_path
+    return path, local, oa.full_tensor(), ob.full_tensor()
+
+
+def test_an_empty_part_of_any_batch_input_runs_the_local_forward_eagerly(pool2):
+    """The second input has one sample over two ranks: its empty part on rank 1 would meet
+    Inductor's failing convolution backward, so the call runs the local forward eagerly,
+    like an empty part of the first input (before: only the first input was looked at)."""
+    x, z = (
+        torch.randn(6, 3, 5, 5, dtype=torch.float64),
+        torch.randn(1, 3, 5, 5, dtype=torch.float64),
+    )
+    torch.manual_seed(0)
+    ref = _TwoInputs().double()
+    with torch.no_grad():
+        wa, wb = ref(x, z)
+    for path, local, oa, ob in pool2.run(_second_input_empty_part, x, z):
+        assert path == "fast" and local == []
+        torch.testing.assert_close(oa, wa, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ob, wb, rtol=1e-12, atol=1e-12)
+
+
 class _OwnBatchNorm(torch.nn.BatchNorm2d):
     def forward(self, x):
         return super().forward(x) * 1.0

@@ -653,6 +653,16 @@ def _called_by_name(check: _Check, modes: int) -> Callable:
     return call
 
 
+def _smallest_batch(args: tuple, kwargs: dict, data_nd: tuple) -> int | None:
+    """The smallest logical leading size of the inputs laid out as the batch."""
+    sizes = [
+        leaf.shape[0]
+        for leaf in tree_flatten((args, kwargs))[0]
+        if isinstance(leaf, GlobalTensor) and tuple(leaf.sbp) == data_nd and leaf.dim()
+    ]
+    return min(sizes, default=None)
+
+
 def _batch_size(args: tuple, kwargs: dict, data_nd: tuple) -> int | None:
     """The logical leading size of the first input laid out as the batch."""
     for leaf in tree_flatten((args, kwargs))[0]:
@@ -675,7 +685,7 @@ def _local_forward(run: _Run, mode: _LocalOps):
     called directly, or, for modules with their own forward, inside the local ops' mode."""
 
     def replacement(m: torch.nn.Module, forward):
-        if type(m).forward is torch.nn.modules.batchnorm._BatchNorm.forward:
+        if isinstance(m, BATCH_NORMS) and shard_batch_norm.torch_forward(m):
             return lambda input: shard_batch_norm.batch_norm_forward(m, input, run.batch_norm)
         if type(m).forward is torch.nn.Dropout.forward:
             return lambda input: run.dropout(input, m.p, m.training, m.inplace)
@@ -956,8 +966,10 @@ class DataParallel:
         self.settle_buffers()
         if not self.enabled or env.get_rank() not in self.placement:
             return self._per_op(args, kwargs, backend)
+        if not self._params_broadcast():  # (first: it finds the BatchNorm and dropout modules)
+            return self._per_op(args, kwargs, backend)
         key, data_nd = self._layout_key(args, kwargs)
-        if key is None or not self._params_broadcast():
+        if key is None:
             return self._per_op(args, kwargs, backend)
         why = self._per_op_reason()
         if why is not None:
@@ -1081,7 +1093,9 @@ class DataParallel:
     def _layout_key(self, args, kwargs) -> tuple[tuple | None, tuple]:
         """A hashable key of the call's layout, or None when it is not a data-parallel call:
         global inputs on the placement, split along dim 0 or broadcast, others plain values."""
-        key: list = [self._module_ref.training, torch.is_grad_enabled(), tuple(kwargs)]
+        # (each BatchNorm and dropout module's own mode: one may differ from the model's)
+        modes = tuple(m.training for m in self._special)
+        key: list = [self._module_ref.training, modes, torch.is_grad_enabled(), tuple(kwargs)]
         data: set[int] = set()
         for a in (*args, *kwargs.values()):
             if isinstance(a, GlobalTensor):
@@ -1151,8 +1165,7 @@ class DataParallel:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
             modes = torch._C._len_torch_function_stack() + 1  # (with _AttentionCalls)
             by_name = _by_name_replaced(_called_by_name(check, modes))
-            batch = _batch_size(args, kwargs, data_nd)
-            row_wise = row_wise_calls.unjudged(check, batch)
+            row_wise = row_wise_calls.unjudged(check, _batch_size(args, kwargs, data_nd))
             with torch.no_grad(), counted, by_name, row_wise, _AttentionCalls(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
@@ -1175,6 +1188,7 @@ class DataParallel:
                 )
         if check.reason:
             return Layout(False, check.reason)
+        smallest = _smallest_batch(args, kwargs, data_nd)
         return Layout(
             True,
             expected=([leaf._local for leaf in leaves if isinstance(leaf, GlobalTensor)], left),
@@ -1185,7 +1199,7 @@ class DataParallel:
             losses=check.losses,
             in_modules=not check.outside_modules,
             index_inputs=check.indexed_inputs(args, kwargs),
-            empty_part=batch is not None and batch < len(self.group(data_nd)),
+            empty_part=smallest is not None and smallest < len(self.group(data_nd)),
         )
 
     # ------------------------------------------------------------ local run
@@ -1322,8 +1336,8 @@ class DataParallel:
         if not layout.in_modules:
             return "F.batch_norm called outside BatchNorm modules"
         if self.batch_norm == "global" and len(self.group(data_nd)) > 1:
-            if any(
-                type(m).forward is not BATCH_NORMS.forward
+            if not all(
+                shard_batch_norm.torch_forward(m)
                 for m in self._special
                 if isinstance(m, BATCH_NORMS)
             ):

@@ -65,18 +65,29 @@ def _forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     return batch_norm_forward(m, input, per_shard)
 
 
+# the forwards `install` gives: a module with one of them still runs torch's forward
+_GIVEN: set[Callable] = {_forward}
+
+
+def torch_forward(m: torch.nn.Module) -> bool:
+    """Does BatchNorm module `m` run torch's own forward (BatchNorm1d/2d/3d, not
+    SyncBatchNorm or a subclass with its own, and no forward set on the instance, as
+    hooks such as accelerate's do), or one `install` gave it in its place?"""
+    own = m.__dict__.get("forward")
+    return type(m).forward is _BatchNorm.forward and (
+        own is None or getattr(own, "__func__", None) in _GIVEN
+    )
+
+
 def modules(module: torch.nn.Module) -> list[_BatchNorm]:
-    """BatchNorm submodules with torch's own forward (BatchNorm1d/2d/3d, not SyncBatchNorm)."""
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward
-    ]
+    """BatchNorm submodules with torch's own forward (`torch_forward`)."""
+    return [m for m in module.modules() if isinstance(m, _BatchNorm) and torch_forward(m)]
 
 
 def install(module: torch.nn.Module, forward: Callable = _forward) -> list[_BatchNorm]:
     """Give the BatchNorm submodules `forward(m, input)` (the per-shard one by default);
     returns them."""
+    _GIVEN.add(forward)
     found = modules(module)
     for m in found:
         m.__dict__["forward"] = types.MethodType(forward, m)

@@ -178,12 +178,13 @@ def differentiable_forward(
         out = out * weight.to(acc).view(view)
     if bias is not None:
         out = out + bias.to(acc).view(view)
-    with torch.no_grad():
+    with torch.no_grad():  # (a tensor times `momentum`, not alpha=: a cumulative average's
+        # momentum changes every step, and Dynamo would make a graph for each value)
         if running_mean is not None:
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_mean.sub_((running_mean - mean.to(running_mean.dtype)) * momentum)
         if running_var is not None:
-            unbiased = var * (count / (count - 1).clamp_min(1))
-            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+            unbiased = (var * (count / (count - 1).clamp_min(1))).to(running_var.dtype)
+            running_var.sub_((running_var - unbiased) * momentum)
     return out.to(x.dtype)
 
 
