@@ -2666,3 +2666,52 @@ def test_parametrized_weights_take_the_fast_path(pool2, kind):
         assert losses == pytest.approx(want[0], rel=1e-12)
         for got, ref in zip([*params, *buffers], [*want[1], *want[2]], strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def _deep_copied_after_a_step(data, batch_norm):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    sbp.nn.data_parallel(model, batch_norm=batch_norm)
+    (x, y), rest = data[0], data[1:]
+    _loss(model, x, y, P).backward()
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    copied = copy.deepcopy(model)
+    assert sbp.nn.fast_path.state(copied) is not sbp.nn.fast_path.state(model)
+    opt = torch.optim.SGD(copied.parameters(), lr=0.1)
+    for x, y in rest:
+        opt.zero_grad()
+        _loss(copied, x, y, P).backward()
+        opt.step()
+    grads = [p.grad.full_tensor() for p in copied.parameters()]
+    unchanged = all(
+        torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before, strict=True)
+    )
+    return sbp.nn.fast_path.state(copied).last_path, grads, _gather(copied), unchanged
+
+
+@pytest.mark.parametrize("batch_norm", ["global", "local"])
+def test_a_deep_copy_of_a_model_trains_on_its_own(pool2, batch_norm):
+    """`copy.deepcopy` of a model with the fast path gets a fresh one (before: the copy's
+    backward filled the original's gradients); the copy's training equals one process's
+    (per-shard BatchNorm: each half of the batch on its own, as torch DDP)."""
+    data = _data(n=6, steps=3, shape=(3, 5, 5), classes=4)
+    torch.manual_seed(0)
+    ref = ConvBN().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data[1:]:
+        opt.zero_grad()
+        if batch_norm == "global":
+            F.cross_entropy(ref(x), y).backward()
+        else:  # two shards of three, each its own statistics; the loss over all six
+            loss = sum(
+                F.cross_entropy(ref(x[i : i + 3]), y[i : i + 3], reduction="sum") for i in (0, 3)
+            )
+            (loss / 6).backward()
+        opt.step()
+    for path, grads, params, unchanged in pool2.run(_deep_copied_after_a_step, data, batch_norm):
+        assert path == "fast" and unchanged
+        assert _rel(grads, [p.grad for p in ref.parameters()]) < 1e-12
+        assert _rel(params, [p.detach() for p in ref.parameters()]) < 1e-12

@@ -30,6 +30,7 @@ whose check failed, ranks outside the placement) runs op by op as before.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -737,9 +738,9 @@ class _Undo:
     def __call__(self) -> None:
         for b, s in zip(self.buffers, self.saved, strict=True):
             b._local.copy_(s)
-        for g, version, copy in self.inputs:
+        for g, version, saved in self.inputs:
             if g._version != version:
-                g._local.copy_(copy)
+                g._local.copy_(saved)
         random._state.update(self.rng)
 
 
@@ -954,6 +955,19 @@ class DataParallel:
         # until one is passed to a compiled function
         self.twins = True
         gradients.LEAF_OWNERS.add(self)  # (a backward's inputs=[parameters]: local_leaves)
+
+    def __deepcopy__(self, memo: dict) -> DataParallel:
+        """`copy.deepcopy` of the module: the copy gets a fresh fast path with the same
+        settings. The layouts, local leaves, reducer and compiled forwards belong to the
+        original's tensors (copied, the copy's backward filled the original's gradients)."""
+        module = copy.deepcopy(self._module_ref, memo)
+        fresh = memo[id(self)] = DataParallel(module, self.placement)
+        fresh._original = copy.deepcopy(self._original, memo)
+        fresh.enabled, fresh.batch_norm, fresh.sync = self.enabled, self.batch_norm, self.sync
+        fresh.bucket_bytes = self.bucket_bytes
+        fresh.compile_options = copy.deepcopy(self.compile_options, memo)
+        fresh.shard_batch_norms = copy.deepcopy(self.shard_batch_norms, memo)
+        return fresh
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
