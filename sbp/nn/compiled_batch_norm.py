@@ -43,7 +43,8 @@ def _forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
             x, weight, bias, running_mean, running_var, momentum, eps, ranks, groups.index
         )
 
-    return shard_batch_norm.batch_norm_forward(m, input, logical)
+    # (in a compiled run the momentum may be a tensor: `differentiable_forward` takes it)
+    return shard_batch_norm.batch_norm_forward(m, input, logical, groups.ranks is not None)
 
 
 def install(module: torch.nn.Module, groups: Groups) -> list[_BatchNorm]:

@@ -24,15 +24,20 @@ from sbp.tensor import GlobalTensor
 _BatchNorm = torch.nn.modules.batchnorm._BatchNorm
 
 
-def batch_norm_forward(m: _BatchNorm, input: torch.Tensor, batch_norm: Callable) -> torch.Tensor:
+def batch_norm_forward(
+    m: _BatchNorm, input: torch.Tensor, batch_norm: Callable, tensor_factor: bool = False
+) -> torch.Tensor:
     """torch's `_BatchNorm.forward` (torch 2.x) with `batch_norm(input, running_mean,
-    running_var, weight, bias, training, momentum, eps)` called in place of `F.batch_norm`."""
+    running_var, weight, bias, training, momentum, eps)` called in place of `F.batch_norm`.
+    `tensor_factor`: a cumulative average's momentum is passed as a 0-d tensor, not a
+    number (which Dynamo makes a graph for at each step in torch 2.11)."""
     m._check_input_dim(input)
     factor = 0.0 if m.momentum is None else m.momentum
     if m.training and m.track_running_stats and m.num_batches_tracked is not None:
         m.num_batches_tracked.add_(1)
         if m.momentum is None:  # a cumulative moving average
-            factor = 1.0 / float(m.num_batches_tracked)
+            count = m.num_batches_tracked
+            factor = 1.0 / (count.double() if tensor_factor else float(count))
     batch_stats = m.training or (m.running_mean is None and m.running_var is None)
     keep = not m.training or m.track_running_stats
     return batch_norm(

@@ -142,7 +142,7 @@ def differentiable_forward(
     bias: torch.Tensor | None,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
-    momentum: float,
+    momentum: float | torch.Tensor,
     eps: float,
     ranks: tuple[int, ...],
     index: int,
