@@ -654,22 +654,13 @@ def _called_by_name(check: _Check, modes: int) -> Callable:
     return call
 
 
-def _smallest_batch(args: tuple, kwargs: dict, data_nd: tuple) -> int | None:
-    """The smallest logical leading size of the inputs laid out as the batch."""
-    sizes = [
+def _batch_sizes(args: tuple, kwargs: dict, data_nd: tuple) -> list[int]:
+    """The logical leading sizes of the inputs laid out as the batch, in argument order."""
+    return [
         leaf.shape[0]
         for leaf in tree_flatten((args, kwargs))[0]
         if isinstance(leaf, GlobalTensor) and tuple(leaf.sbp) == data_nd and leaf.dim()
     ]
-    return min(sizes, default=None)
-
-
-def _batch_size(args: tuple, kwargs: dict, data_nd: tuple) -> int | None:
-    """The logical leading size of the first input laid out as the batch."""
-    for leaf in tree_flatten((args, kwargs))[0]:
-        if isinstance(leaf, GlobalTensor) and tuple(leaf.sbp) == data_nd and leaf.dim():
-            return leaf.shape[0]
-    return None
 
 
 def _within(context, forward):
@@ -1173,13 +1164,14 @@ class DataParallel:
         buffers = self._slots.buffers
         undo = _Undo(buffers, args, kwargs)
         check = _Check(data_nd)
+        sizes = _batch_sizes(args, kwargs, data_nd)
         left = None  # the buffers as the forward left them
         registry.observers.append(check)
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
             modes = torch._C._len_torch_function_stack() + 1  # (with _AttentionCalls)
             by_name = _by_name_replaced(_called_by_name(check, modes))
-            row_wise = row_wise_calls.unjudged(check, _batch_size(args, kwargs, data_nd))
+            row_wise = row_wise_calls.unjudged(check, sizes[0] if sizes else None)
             with torch.no_grad(), counted, by_name, row_wise, _AttentionCalls(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
@@ -1202,7 +1194,6 @@ class DataParallel:
                 )
         if check.reason:
             return Layout(False, check.reason)
-        smallest = _smallest_batch(args, kwargs, data_nd)
         return Layout(
             True,
             expected=([leaf._local for leaf in leaves if isinstance(leaf, GlobalTensor)], left),
@@ -1213,7 +1204,7 @@ class DataParallel:
             losses=check.losses,
             in_modules=not check.outside_modules,
             index_inputs=check.indexed_inputs(args, kwargs),
-            empty_part=smallest is not None and smallest < len(self.group(data_nd)),
+            empty_part=any(size < len(self.group(data_nd)) for size in sizes),
         )
 
     # ------------------------------------------------------------ local run
