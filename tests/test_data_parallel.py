@@ -2715,3 +2715,31 @@ def test_a_deep_copy_of_a_model_trains_on_its_own(pool2, batch_norm):
         assert path == "fast" and unchanged
         assert _rel(grads, [p.grad for p in ref.parameters()]) < 1e-12
         assert _rel(params, [p.detach() for p in ref.parameters()]) < 1e-12
+
+
+def _deep_copied_compiled(x):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = ConvBN().double().to_global(P, B)
+    torch._dynamo.reset()
+    torch.compile(model, backend="aot_eager")(_global(x, P))
+    copied, detached = copy.deepcopy(model), copy.deepcopy(model)
+    sbp.nn.fast_path.detach_fast_path(detached)  # (before any call of its own)
+    out = torch.compile(copied, backend="aot_eager")(_global(x, P)).full_tensor()
+    torch._dynamo.reset()
+    path = sbp.nn.fast_path.state(copied).last_path
+    return path, out.detach(), "forward" in detached.bn.__dict__
+
+
+def test_a_deep_copy_keeps_track_of_its_logical_batch_norm_forwards(pool2):
+    """A model copied after a compiled step: its copy's BatchNorm modules hold the logical
+    forward, which the copy's fast path knows: it uses them, equal to one process, and
+    detaching it before any call takes them away (before: they were left behind)."""
+    x = _data(n=6, steps=1, shape=(3, 5, 5), classes=4)[0][0]
+    torch.manual_seed(0)
+    want = ConvBN().double()(x)
+    for path, out, left in pool2.run(_deep_copied_compiled, x):
+        assert path == "fast" and not left
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)

@@ -958,6 +958,9 @@ class DataParallel:
         fresh.bucket_bytes = self.bucket_bytes
         fresh.compile_options = copy.deepcopy(self.compile_options, memo)
         fresh.shard_batch_norms = copy.deepcopy(self.shard_batch_norms, memo)
+        # (the copied modules keep the logical forward and their copy of the groups)
+        fresh.logical_batch_norms = copy.deepcopy(self.logical_batch_norms, memo)
+        fresh._bn_groups = copy.deepcopy(self._bn_groups, memo)
         return fresh
 
     # ------------------------------------------------------------ the call
