@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch._guards import TracingContext
 
+from sbp.comm import effect_order
 from sbp.comm.groups import get_group
 
 _ops = torch.ops._c10d_functional
@@ -111,6 +112,7 @@ _library._register_effectful_op("sbp::small_all_reduce", torch._library.effects.
 
 @torch.library.register_fake("sbp::small_all_reduce")
 def _(tensor: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
+    effect_order.install()  # (traced: Inductor may lower the graph next)
     return torch.empty_like(tensor)
 
 
