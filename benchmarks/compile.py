@@ -150,9 +150,8 @@ LOGICAL_FLOOR = ("global-compiled", "global-local-compiled")
 
 
 def _shared_memory_calls(step: Callable[[], Any]) -> int:
-    """All-reduces sbp.comm runs in one call of `step`: inside a compiled graph, only the
-    small ones through shared memory (`sbp::small_all_reduce`) pass through it; the others
-    there are torch's functional collectives, which it does not see."""
+    """All-reduces sbp.comm runs in one call of `step`, inside compiled graphs too (their
+    collectives are sbp's ops, `sbp::all_reduce`, calling sbp.comm when they run)."""
     import sbp
 
     with sbp.comm_stats() as stats:
@@ -164,9 +163,8 @@ def _logical_floor_parts(methods: dict[str, Callable[[], Any]], device: str) -> 
     """What the logical row's floor is made of: the small all-reduces logical BatchNorm adds
     to the per-shard step, and the latency of one, measured now. Logical BatchNorm computes
     more than torch DDP (the whole batch's statistics), so DDP alone is not its floor; on
-    the GPU, the ddp-syncbn-compiled row is its anchor instead. Only where those
-    all-reduces go through shared memory (CPU, one host) are they counted, so only there
-    is a floor given."""
+    the GPU, the ddp-syncbn-compiled row is its anchor instead, so the floor is given on
+    the CPU only."""
     if device != "cpu":  # (the same on every rank, so no rank waits alone below)
         return {}
     calls = {name: _shared_memory_calls(methods[name]) for name in LOGICAL_FLOOR}

@@ -1883,7 +1883,7 @@ def _logical_compiled(data, how, make_model=ConvBN, P=None, nd=S0):
         got = _train(make_model, P, nd, True, data, **options)
     torch._dynamo.reset()
     local = [ops for types, ops in graphs if types == {torch.Tensor} and ops]
-    reduced = any("sbp.small_all_reduce" in op for ops in local for op in ops)
+    reduced = any("sbp.all_reduce" in op for ops in local for op in ops)
     return got, [str(w.message) for w in caught if str(w.message).startswith("sbp:")], reduced
 
 

@@ -15,7 +15,6 @@ import torch
 
 from sbp import comm, env, kernels
 from sbp.boxing.planner import Plan, Step
-from sbp.comm import functional
 from sbp.layout import GlobalSpec, balanced_range, balanced_sizes, elements_per_index
 
 
@@ -39,16 +38,7 @@ def empty_local(spec: GlobalSpec) -> torch.Tensor:
 
 
 def execute(plan: Plan, local: torch.Tensor) -> torch.Tensor:
-    """Run `plan` on this rank's `local` tensor of `plan.src`; return the local tensor of `plan.dst`.
-    Traced, an empty result depends on the collectives this rank took part in
-    (`functional.tied`)."""
-    if functional.tracing(local):
-        with functional.noting() as results:
-            return functional.tied(_execute(plan, local), results)
-    return _execute(plan, local)
-
-
-def _execute(plan: Plan, local: torch.Tensor) -> torch.Tensor:
+    """Run `plan` on this rank's `local` tensor of `plan.src`; return the local tensor of `plan.dst`."""
     rank = env.get_rank()
     x, owned = local, False
     for step in plan.steps:

@@ -97,14 +97,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
     if len(ranks) == 1:
         output.copy_(input.reshape(output.shape))
         return output
+    if functional.tracing(input):
+        return output.copy_(functional.all_gather(input, ranks).view(output.shape))
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
     order = group_order(ranks)
     target = output if order is None else torch.empty_like(output)
     segment = _shared_segment(input, ranks, "all_gather")
     if segment is not None:
         segment.all_gather(target, input)
-    elif functional.tracing(input):
-        target.copy_(functional.all_gather(input, ranks).view(target.shape))
     else:
         with guarded("all_gather", ranks):
             _all_gather_single(target, input, group=get_group(ranks))
@@ -138,7 +138,7 @@ def _from_nan_keeping(i: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _shared_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment | None:
     """The shared-memory path of a small collective on one host (see `shm`), or None."""
-    if not shm.usable(tensor) or functional.tracing(tensor):
+    if not shm.usable(tensor):
         return None
     group = get_group(ranks)
     if shm.ready(ranks, group):
@@ -151,19 +151,16 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     """Reduce `tensor` in place over `ranks` with `op` in {sum, max, min}."""
     if len(ranks) == 1:
         return tensor
+    if functional.tracing(tensor):
+        return tensor.copy_(functional.all_reduce(tensor, op, ranks))
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
     segment = _shared_segment(tensor, ranks, "all_reduce")
     if segment is not None:  # one host: ~20 us instead of gloo's ~0.4-4 ms
         return segment.all_reduce(tensor, op)
-    if shm.usable(tensor) and functional.tracing(tensor):  # the same path when compiled
-        return tensor.copy_(functional.small_all_reduce(tensor, op, list(ranks)))
     ordered = _nan_keeping(tensor, op)
     work = tensor if ordered is None else ordered[0]
-    if functional.tracing(tensor):
-        work = functional.all_reduce(work, op, ranks)
-    else:
-        with guarded("all_reduce", ranks):
-            dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
+    with guarded("all_reduce", ranks):
+        dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
     if ordered is not None:
         work = _from_nan_keeping(work, ordered[1])
     if work is not tensor:
@@ -204,6 +201,8 @@ def reduce_scatter(
     if len(ranks) == 1:
         output.copy_(input.reshape(output.shape))
         return output
+    if functional.tracing(input):
+        return output.copy_(functional.reduce_scatter(input, op, ranks).view(output.shape))
     n = len(ranks)
     stats.record("reduce_scatter", cost.reduce_scatter_bytes(n, _nbytes(input)))
     order = group_order(ranks)
@@ -213,13 +212,10 @@ def reduce_scatter(
     ordered = _nan_keeping(input, op)
     src = input if ordered is None else ordered[0]
     dst = output if ordered is None else src.new_empty(output.shape)
-    if functional.tracing(input):
-        dst.copy_(functional.reduce_scatter(src, op, ranks).view(dst.shape))
-    else:
-        with guarded("reduce_scatter", ranks):
-            _reduce_scatter_single(
-                dst.reshape(-1), src.reshape(-1), op=REDUCE_OPS[op], group=get_group(ranks)
-            )
+    with guarded("reduce_scatter", ranks):
+        _reduce_scatter_single(
+            dst.reshape(-1), src.reshape(-1), op=REDUCE_OPS[op], group=get_group(ranks)
+        )
     if ordered is not None:
         output.copy_(_from_nan_keeping(dst, ordered[1]))
     return output
@@ -237,6 +233,9 @@ def all_to_all(
     if len(ranks) == 1:
         output.copy_(input.reshape(output.shape))
         return output
+    if functional.tracing(input):
+        got = functional.all_to_all(input, output_splits, input_splits, ranks)
+        return output.copy_(got.view(output.shape))
     row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
     stats.record("all_to_all", cost.all_to_all_bytes([s * row for s in input_splits], me))
     order = group_order(ranks)
@@ -247,14 +246,10 @@ def all_to_all(
         input_splits = [input_splits[i] for i in inverse]
         output_splits = [output_splits[i] for i in inverse]
         target = torch.empty_like(output)
-    if functional.tracing(input):
-        got = functional.all_to_all(input, output_splits, input_splits, ranks)
-        target.copy_(got.view(target.shape))
-    else:
-        with guarded("all_to_all", ranks):
-            dist.all_to_all_single(
-                target, input, list(output_splits), list(input_splits), group=get_group(ranks)
-            )
+    with guarded("all_to_all", ranks):
+        dist.all_to_all_single(
+            target, input, list(output_splits), list(input_splits), group=get_group(ranks)
+        )
     if order is not None:
         chunks = target.split(list(output_splits))
         torch.cat([chunks[j] for j in order], out=output)
@@ -265,9 +260,9 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     """Copy `tensor` of global rank `src` to every rank of `ranks`, in place."""
     if len(ranks) == 1:
         return tensor
-    stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
     if functional.tracing(tensor):
         return tensor.copy_(functional.broadcast(tensor, src, ranks))
+    stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
     with guarded("broadcast", ranks):
         dist.broadcast(tensor, src=src, group=get_group(ranks))
     return tensor

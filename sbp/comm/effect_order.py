@@ -1,8 +1,8 @@
-"""Keep ordered effectful ops (`sbp::small_all_reduce`) in program order under Inductor.
+"""Keep ordered effectful ops (sbp's traced collectives) in program order under Inductor.
 
-Every rank must issue its collectives in the same order. `sbp::small_all_reduce` is an
-ordered effectful op: AOT autograd threads a token through its calls, and Inductor's
-`with_effects` lowering records an ordering edge from each call to the one before. In
+Every rank must issue its collectives in the same order. `sbp::all_reduce` and the other
+ops of `sbp.comm.functional` are ordered effects: AOT autograd threads a token through
+their calls, and Inductor's `with_effects` lowering records an ordering edge from each call to the one before. In
 torch 2.11 to 2.14 that edge is keyed by the new kernel's *buffer* name while the
 scheduler reads it back by *operation* name (pytorch/pytorch#189209), so the edge is lost.
 Inductor's peak-memory reordering is then free to move a call whose input does not depend

@@ -189,7 +189,7 @@ def differentiable_forward(
 
 
 class _TableSum(torch.autograd.Function):
-    """`sbp::small_all_reduce`'s sum over `ranks`, differentiable (Dynamo traces it): each
+    """`sbp::all_reduce`'s sum over `ranks`, differentiable (Dynamo traces it): each
     rank's loss is its part of the logical one, so an input's gradient is the sum of
     every rank's output gradient. (`_SumOverRanks` goes through `sbp.comm`'s Python,
     which Dynamo would have to trace.)"""
@@ -197,11 +197,11 @@ class _TableSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, ranks: list[int]) -> torch.Tensor:
         ctx.ranks = ranks
-        return torch.ops.sbp.small_all_reduce.default(t, "sum", ranks)
+        return torch.ops.sbp.all_reduce.default(t, "sum", ranks)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        return torch.ops.sbp.small_all_reduce.default(grad.contiguous(), "sum", ctx.ranks), None
+        return torch.ops.sbp.all_reduce.default(grad.contiguous(), "sum", ctx.ranks), None
 
 
 def backward(

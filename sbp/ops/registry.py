@@ -746,8 +746,7 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             None
             if inplace or d.empty_here is None
             else [  # (made afresh, not cloned: while tracing they must be fake tensors)
-                None if t is None else _empty_like(t, [local_flat[i] for i in gpos])
-                for t in d.empty_here
+                None if t is None else _empty_like(t) for t in d.empty_here
             ]
         )
         if leaves is None:
@@ -831,12 +830,9 @@ def without_partials(g) -> Any:
     return rebox(g, partials_to_broadcast(g._spec.nd_sbp))
 
 
-def _empty_like(t: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """A new empty output shaped as `t`. While tracing it is made from this rank's inputs
-    (as boxed for the op): a graph where it depended on nothing would drop the collectives
-    that boxed them on this rank alone, and the other ranks would wait for them."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return functional.tied(out, inputs) if functional.tracing(inputs[0]) else out
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A new empty output shaped as `t`."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
