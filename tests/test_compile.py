@@ -361,10 +361,10 @@ def _slice_write_by_inductor(rows):
         torch._dynamo.reset()
 
 
-def test_inductor_keeps_a_small_all_reduce_only_some_ranks_use(pool2):
-    """Inductor dropped `sbp::small_all_reduce` from the graph of the rank that uses nothing
-    of its result (its rows of the write are empty): the other rank waited for it until
-    the timeout. The op is now marked as having side effects."""
+def test_inductor_keeps_an_all_reduce_only_some_ranks_use(pool2):
+    """Inductor dropped sbp's all-reduce from the graph of the rank that uses nothing of
+    its result (its rows of the write are empty): the other rank waited for it until the
+    timeout. The op is an ordered effect: never dead code."""
     x = torch.arange(36.0, dtype=torch.float64).view(6, 6)
     want = (_slice_write(x, slice(1, 3)).clone(), x)
     for result in pool2.run(_slice_write_by_inductor, slice(1, 3), timeout=300):
@@ -400,12 +400,12 @@ def _two_branch_step(x, y, z, yz):
         torch._dynamo.reset()
 
 
-def test_inductor_keeps_small_all_reduces_in_program_order(pool2):
+def test_inductor_keeps_all_reduces_in_program_order(pool2):
     """The second input's single sample leaves rank 1 a table of zeros for its BatchNorm,
     which depends on nothing: Inductor moved that all-reduce ahead of the first
     BatchNorm's on rank 1 alone (torch loses the ordering edge of effectful ops), the
     ranks paired up different tables, and the loss came out 2.86 against 3.04, with no
-    error. `sbp.comm.effect_order` restores the edge."""
+    error. `sbp.comm.torch_effects` restores the edge."""
     g = torch.Generator().manual_seed(1)
     x, z = (torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64) for n in (6, 1))
     y, yz = (torch.randint(0, 4, (n,), generator=g) for n in (6, 1))
@@ -452,6 +452,41 @@ def test_a_traced_collective_with_a_constant_input_stays_in_its_graph(pool2):
     out.pow(3).sum().backward()
     for got in pool2.run(_batch_norm_of_one_sample, x, timeout=120):
         _close(got, [out.detach(), ref.weight.grad, ref.bias.grad])
+
+
+def _checkpointed_tensor_parallel(x, w1, w2):
+    """A column- then row-split MLP block under torch.utils.checkpoint, compiled; the block
+    ends in an all-reduce (relu of the partial sum)."""
+
+    def block(h, a, b):
+        return torch.relu(torch.tanh(h @ a.T) @ b.T)
+
+    def loss_of(h, a, b):
+        return torch.utils.checkpoint.checkpoint(block, h, a, b, use_reentrant=False).pow(2).sum()
+
+    P = sbp.placement("cpu", [0, 1])
+    a, b = sbp.tensor(w1, P, S0).requires_grad_(), sbp.tensor(w2, P, S1).requires_grad_()
+    try:
+        loss = torch.compile(loss_of, backend="aot_eager")(sbp.tensor(x, P, B), a, b)
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    return [loss.full_tensor(), a.grad.full_tensor(), b.grad.full_tensor()]
+
+
+def test_a_collective_inside_activation_checkpointing_compiles(pool2):
+    """torch recomputes a checkpointed region's ops in backward, but cannot recompute an
+    ordered effect (it saves a token that is None at run time: AssertionError on every
+    rank); sbp's collectives there are saved instead (`sbp.comm.torch_effects`)."""
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (
+        torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5, 6), (8, 6), (6, 8))
+    )
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    loss = torch.relu(torch.tanh(x @ a.T) @ b.T).pow(2).sum()
+    loss.backward()
+    for got in pool2.run(_checkpointed_tensor_parallel, x, w1, w2):
+        _close(got, [loss.detach(), a.grad, b.grad])
 
 
 def _adam_steps(P, name: str, compiled: bool):

@@ -1893,13 +1893,41 @@ def test_compiled_local_forward_with_logical_batch_norm(pool2, how, n):
     """Logical BatchNorm over two ranks in a compiled local forward (torch.compile of the
     model, or data_parallel(compile=...)): the BatchNorm modules compute the logical
     batch's statistics in the graph, on plain tensors (their table all-reduced by
-    `sbp::small_all_reduce`), with the backward autograd derives; losses, parameters,
+    `sbp::all_reduce`), with the backward autograd derives; losses, parameters,
     running statistics and num_batches_tracked equal one process, on an even batch and on
     an uneven one (4 and 3 samples: the count comes from the table)."""
     data = _data(n=n, steps=3, shape=(3, 5, 5), classes=4)
     ref = _train(ConvBN, None, None, None, data)
     for got, warned, reduced in pool2.run(_logical_compiled, data, how):
         assert got[3] == ["fast"] * 3 and warned == [] and reduced
+        for a, b in zip(got[0], ref[0], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b)
+        assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+class _CheckpointedConvBN(ConvBN):
+    def forward(self, x):
+        def block(t):
+            return torch.relu(self.bn(self.conv(t)))
+
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("how", ["model", "local"])
+def test_compiled_logical_batch_norm_inside_activation_checkpointing(pool2, how):
+    """Logical BatchNorm inside torch.utils.checkpoint, compiled: torch's partitioner
+    recomputed the statistics' all-reduce (an ordered effect) in backward from a token
+    that is None at run time, and every rank raised AssertionError
+    (`tensors_saved_with_vc_check`). sbp's collectives are saved there instead
+    (`sbp.comm.torch_effects`); equal to one process, compiled (whose recomputation does
+    not update the running statistics a second time, as eager torch's does)."""
+    data = _data(n=7, steps=2, shape=(3, 5, 5), classes=4)
+    ref = _train(_CheckpointedConvBN, None, None, None, data, compiled="aot_eager")
+    eager = _train(_CheckpointedConvBN, None, None, None, data)
+    assert _rel(ref[1], eager[1]) < 1e-12 and ref[2][2] == 2 and eager[2][2] == 4
+    for got, _, reduced in pool2.run(_logical_compiled, data, how, _CheckpointedConvBN):
+        assert got[3] == ["fast"] * 2 and reduced
         for a, b in zip(got[0], ref[0], strict=True):
             assert abs(a - b) <= 1e-12 * abs(b)
         assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12

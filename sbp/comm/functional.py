@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch._guards import TracingContext
 
-from sbp.comm import effect_order
+from sbp.comm import torch_effects
 
 
 def tracing(t: torch.Tensor | None = None) -> bool:
@@ -67,7 +67,7 @@ def _collective(schema: str, doc: str, run: Callable, shape: Callable) -> Callab
     _library._register_effectful_op(f"sbp::{name}", torch._library.effects.EffectType.ORDERED)
 
     def fake(tensor: torch.Tensor, *args):
-        effect_order.install()  # (traced: Inductor may lower the graph next)
+        torch_effects.install()  # (traced: Inductor may lower the graph next)
         return tensor.new_empty(shape(tensor, *args))
 
     torch.library.register_fake(f"sbp::{name}", fake, lib=_library)
