@@ -489,6 +489,39 @@ def test_a_collective_inside_activation_checkpointing_compiles(pool2):
         _close(got, [loss.detach(), a.grad, b.grad])
 
 
+def _collectives_of_a_transposed_tensor(t):
+    """sbp.comm's in-place all-reduce and broadcast on a transposed (non-contiguous) local
+    tensor, eagerly and compiled by Inductor."""
+    import torch._inductor.config as inductor_config
+
+    from sbp import comm
+
+    ranks = (0, 1)
+
+    def reduce_and_broadcast(x):
+        u, v = (x * 1).t(), (x * 2).t()
+        comm.all_reduce(u, "sum", ranks)
+        comm.broadcast(v, 1, ranks)
+        return u + 0, v + 0
+
+    mine = t * (sbp.env.get_rank() + 1)
+    try:
+        with inductor_config.patch(force_disable_caches=True):
+            got = torch.compile(reduce_and_broadcast, backend="inductor")(mine)
+    finally:
+        torch._dynamo.reset()
+    return list(got), list(reduce_and_broadcast(mine))
+
+
+def test_collectives_of_a_transposed_tensor_compile(pool2):
+    """The traced collectives' fake results had contiguous strides while their eager
+    bodies return the input's (a clone): Inductor checks and raised on every rank."""
+    t = torch.arange(18.0, dtype=torch.float64).view(6, 3)
+    for got, eager in pool2.run(_collectives_of_a_transposed_tensor, t, timeout=300):
+        _close(got, [3 * t.t(), 4 * t.t()])
+        _close(eager, [3 * t.t(), 4 * t.t()])
+
+
 def _adam_steps(P, name: str, compiled: bool):
     """A Linear layer's weight after two Adam (AdamW) steps, the step compiled or not; with
     `P`, the layer made global and the batch split."""

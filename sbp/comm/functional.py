@@ -57,18 +57,19 @@ def tracing(t: torch.Tensor | None = None) -> bool:
 _library = torch.library.Library("sbp", "FRAGMENT")
 
 
-def _collective(schema: str, doc: str, run: Callable, shape: Callable) -> Callable:
+def _collective(schema: str, doc: str, run: Callable, result: Callable) -> Callable:
     """Define the ordered op `sbp::<schema>` and return its traced call: `run` is its eager
-    body, `shape(*args)` the shape of its result, for fake tensors while tracing."""
+    body, `result(*args)` a new tensor shaped and strided as `run`'s result (for fake
+    tensors while tracing: Inductor checks the strides)."""
     name = schema.split("(")[0]
     _library.define(schema)
     for device in ("CPU", "CUDA"):
         _library.impl(name, run, device)
     _library._register_effectful_op(f"sbp::{name}", torch._library.effects.EffectType.ORDERED)
 
-    def fake(tensor: torch.Tensor, *args):
-        torch_effects.install()  # (traced: Inductor may lower the graph next)
-        return tensor.new_empty(shape(tensor, *args))
+    def fake(*args):
+        torch_effects.install()  # (traced: the partitioner and Inductor come next)
+        return result(*args)
 
     torch.library.register_fake(f"sbp::{name}", fake, lib=_library)
     op = getattr(torch.ops.sbp, name).default
@@ -86,31 +87,43 @@ def _collectives():
     return collectives
 
 
-def _flat(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    return tensor.new_empty(tensor.numel() * n)
+def _same(t: torch.Tensor, *_) -> torch.Tensor:
+    return torch.empty_like(t)  # (as t.clone(): the same strides)
+
+
+def _gathered(t: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+    return t.new_empty(t.numel() * len(ranks))
+
+
+def _scattered(t: torch.Tensor, op: str, ranks: list[int]) -> torch.Tensor:
+    return t.new_empty(t.numel() // len(ranks))
+
+
+def _exchanged(t: torch.Tensor, output_splits: list, input_splits: list, ranks) -> torch.Tensor:
+    return t.new_empty((sum(output_splits), *t.shape[1:]))
 
 
 all_reduce = _collective(
     "all_reduce(Tensor tensor, str op, int[] ranks) -> Tensor",
     "`tensor` reduced over `ranks` with `op` (sum, max, min).",
     lambda t, op, ranks: _collectives().all_reduce(t.clone(), op, tuple(ranks)),
-    lambda t, op, ranks: t.shape,
+    _same,
 )
 
 all_gather = _collective(
     "all_gather(Tensor input, int[] ranks) -> Tensor",
     "Every rank's `input`, flat, concatenated in the order of `ranks`.",
-    lambda t, ranks: _collectives().all_gather(_flat(t, len(ranks)), t, tuple(ranks)),
-    lambda t, ranks: (t.numel() * len(ranks),),
+    lambda t, ranks: _collectives().all_gather(_gathered(t, ranks), t, tuple(ranks)),
+    _gathered,
 )
 
 reduce_scatter = _collective(
     "reduce_scatter(Tensor input, str op, int[] ranks) -> Tensor",
     "This rank's chunk (flat) of `input` (equal chunks along dim 0), reduced.",
     lambda t, op, ranks: _collectives().reduce_scatter(
-        t.new_empty(t.numel() // len(ranks)), t, op, tuple(ranks)
+        _scattered(t, op, ranks), t, op, tuple(ranks)
     ),
-    lambda t, op, ranks: (t.numel() // len(ranks),),
+    _scattered,
 )
 
 all_to_all = _collective(
@@ -118,14 +131,14 @@ all_to_all = _collective(
     "-> Tensor",
     "Chunk i of `input` (dim 0, `input_splits`) sent to ranks[i]; what came back.",
     lambda t, out_splits, in_splits, ranks: _collectives().all_to_all(
-        t.new_empty((sum(out_splits), *t.shape[1:])), t, out_splits, in_splits, tuple(ranks)
+        _exchanged(t, out_splits, in_splits, ranks), t, out_splits, in_splits, tuple(ranks)
     ),
-    lambda t, out_splits, in_splits, ranks: (sum(out_splits), *t.shape[1:]),
+    _exchanged,
 )
 
 broadcast = _collective(
     "broadcast(Tensor tensor, int src, int[] ranks) -> Tensor",
     "Global rank `src`'s `tensor` on every rank of `ranks`.",
     lambda t, src, ranks: _collectives().broadcast(t.clone(), src, tuple(ranks)),
-    lambda t, src, ranks: t.shape,
+    _same,
 )
