@@ -6,7 +6,9 @@ turns a backend failure (timeout, a peer that closed its connection) into
 `CommTimeoutError` naming the collective and the ranks that did not arrive.
 Groups hold their ranks in ascending order (see `groups`); chunks are permuted
 between that order and the placement's here. Max and min of floats keep NaN,
-as torch does (gloo's MAX drops it). Tensors must be contiguous.
+as torch does (gloo's MAX drops it). Tensors must be contiguous. While torch.compile
+traces, each is recorded as an op of `functional` whose body, when the graph runs, is
+this same wrapper (so it is counted then, not while traced).
 """
 
 from __future__ import annotations
