@@ -57,10 +57,10 @@ def tracing(t: torch.Tensor | None = None) -> bool:
 _library = torch.library.Library("sbp", "FRAGMENT")
 
 
-def _collective(schema: str, doc: str, run: Callable, result: Callable) -> Callable:
-    """Define the ordered op `sbp::<schema>` and return its traced call: `run` is its eager
-    body, `result(*args)` a new tensor shaped and strided as `run`'s result (for fake
-    tensors while tracing: Inductor checks the strides)."""
+def _collective(schema: str, run: Callable, result: Callable) -> torch._ops.OpOverload:
+    """Define the ordered op `sbp::<schema>` and return it: `run` is its eager body,
+    `result(*args)` a new tensor shaped and strided as `run`'s result (for fake tensors
+    while tracing: Inductor checks the strides)."""
     name = schema.split("(")[0]
     _library.define(schema)
     for device in ("CPU", "CUDA"):
@@ -72,13 +72,7 @@ def _collective(schema: str, doc: str, run: Callable, result: Callable) -> Calla
         return result(*args)
 
     torch.library.register_fake(f"sbp::{name}", fake, lib=_library)
-    op = getattr(torch.ops.sbp, name).default
-
-    def traced(*args) -> torch.Tensor:
-        return op(*args)
-
-    traced.__doc__ = doc
-    return traced
+    return getattr(torch.ops.sbp, name).default
 
 
 def _collectives():
@@ -103,42 +97,42 @@ def _exchanged(t: torch.Tensor, output_splits: list, input_splits: list, ranks) 
     return t.new_empty((sum(output_splits), *t.shape[1:]))
 
 
+# `tensor` reduced over `ranks` with `op` (sum, max, min)
 all_reduce = _collective(
     "all_reduce(Tensor tensor, str op, int[] ranks) -> Tensor",
-    "`tensor` reduced over `ranks` with `op` (sum, max, min).",
     lambda t, op, ranks: _collectives().all_reduce(t.clone(), op, tuple(ranks)),
     _same,
 )
 
+# every rank's `input`, flat, concatenated in the order of `ranks`
 all_gather = _collective(
     "all_gather(Tensor input, int[] ranks) -> Tensor",
-    "Every rank's `input`, flat, concatenated in the order of `ranks`.",
     lambda t, ranks: _collectives().all_gather(_gathered(t, ranks), t, tuple(ranks)),
     _gathered,
 )
 
+# this rank's chunk (flat) of `input` (equal chunks along dim 0), reduced
 reduce_scatter = _collective(
     "reduce_scatter(Tensor input, str op, int[] ranks) -> Tensor",
-    "This rank's chunk (flat) of `input` (equal chunks along dim 0), reduced.",
     lambda t, op, ranks: _collectives().reduce_scatter(
         _scattered(t, op, ranks), t, op, tuple(ranks)
     ),
     _scattered,
 )
 
+# chunk i of `input` (dim 0, `input_splits`) sent to ranks[i]; what came back
 all_to_all = _collective(
     "all_to_all(Tensor input, SymInt[] output_splits, SymInt[] input_splits, int[] ranks) "
     "-> Tensor",
-    "Chunk i of `input` (dim 0, `input_splits`) sent to ranks[i]; what came back.",
     lambda t, out_splits, in_splits, ranks: _collectives().all_to_all(
         _exchanged(t, out_splits, in_splits, ranks), t, out_splits, in_splits, tuple(ranks)
     ),
     _exchanged,
 )
 
+# global rank `src`'s `tensor` on every rank of `ranks`
 broadcast = _collective(
     "broadcast(Tensor tensor, int src, int[] ranks) -> Tensor",
-    "Global rank `src`'s `tensor` on every rank of `ranks`.",
     lambda t, src, ranks: _collectives().broadcast(t.clone(), src, tuple(ranks)),
     _same,
 )

@@ -197,11 +197,11 @@ class _TableSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, ranks: list[int]) -> torch.Tensor:
         ctx.ranks = ranks
-        return torch.ops.sbp.all_reduce.default(t, "sum", ranks)
+        return comm.functional.all_reduce(t, "sum", ranks)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        return torch.ops.sbp.all_reduce.default(grad.contiguous(), "sum", ctx.ranks), None
+        return comm.functional.all_reduce(grad.contiguous(), "sum", ctx.ranks), None
 
 
 def backward(

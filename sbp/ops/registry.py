@@ -746,7 +746,8 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
             None
             if inplace or d.empty_here is None
             else [  # (made afresh, not cloned: while tracing they must be fake tensors)
-                None if t is None else _empty_like(t) for t in d.empty_here
+                None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                for t in d.empty_here
             ]
         )
         if leaves is None:
@@ -828,11 +829,6 @@ def rebox_to(g, spec: GlobalSpec) -> Any:
 def without_partials(g) -> Any:
     """`g` with every partial hierarchy dim reduced to broadcast."""
     return rebox(g, partials_to_broadcast(g._spec.nd_sbp))
-
-
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    """A new empty output shaped as `t`."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
