@@ -47,7 +47,7 @@ class GlobalTensor(torch.Tensor):
     _spec: GlobalSpec
     _waiting_grad: torch.Tensor | None  # (a parameter's: see `grad`)
     _waiting_in: tuple | None  # (a parameter's on one rank: see `grad`)
-    _copy_of: tuple | None  # (base, part) of a view that writes through (sbp.ops.writes)
+    _copy_of: Any  # a view's CopyOf, where sbp had to copy it (sbp.ops.writes)
     _watched: bool  # a cache keeps what it holds: its rebinding counts (`REBINDS`)
 
     @staticmethod
@@ -95,6 +95,8 @@ class GlobalTensor(torch.Tensor):
         if TracingContext.try_get() is not None:
             _static_sizes(self)
             _static_sizes(self._local)
+        elif self._copy_of is not None:  # (a compiled call's input: read now)
+            read_now(self)
         return ["_local"], (self._spec, self.requires_grad, self._copy_of is not None)
 
     @staticmethod
@@ -104,7 +106,9 @@ class GlobalTensor(torch.Tensor):
         spec, requires_grad, copied_view = ctx
         out = GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
         if copied_view:
-            out._copy_of = (None, None)
+            from sbp.ops.writes import CopyOf
+
+            out._copy_of = CopyOf(None, None)
         return out
 
     def _stable_hash_for_caching(self) -> str:
@@ -165,6 +169,7 @@ class GlobalTensor(torch.Tensor):
         return True
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
+        read_now(self)
         return (
             f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"placement={self.placement}, sbp={format_nd_sbp(self.sbp)}, local={self._local!r})"
@@ -293,6 +298,7 @@ class GlobalTensor(torch.Tensor):
         from sbp.setitem import number_as_global, setitem
 
         forget_range(self)  # every rank writes (SPMD), even where it holds no part
+        read_now(self)  # (a copied view writes itself whole into its base after)
         if not setitem(self, index, value):
             super().__setitem__(index, number_as_global(self, value))
 
@@ -361,6 +367,7 @@ class GlobalTensor(torch.Tensor):
             and src._spec == self._spec
             and not recorded
             and self._copy_of is None  # (a copied view's write goes on to its base)
+            and src._copy_of is None  # (a copied view is read through dispatch: `fresh`)
         ):
             local, other = self._local, src._local
             if (
@@ -369,15 +376,23 @@ class GlobalTensor(torch.Tensor):
                 and torch._C._len_torch_dispatch_stack() == 0
             ):
                 local.copy_(other, non_blocking)
-                torch.autograd.graph.increment_version(self)
-                forget_range(self)
-                return self
+                return _written_here(self)
         if isinstance(src, torch.Tensor) and not isinstance(src, GlobalTensor):
             from sbp import checkpoint
 
             if not recorded:
-                return checkpoint.copy_plain_value(self, src, non_blocking)
+                return _written_here(checkpoint.copy_plain_value(self, src, non_blocking))
         return super().copy_(src, non_blocking)
+
+
+def _written_here(g: GlobalTensor) -> GlobalTensor:
+    """After a write into `g`'s local tensor outside the dispatcher: what an in-place op
+    through it does (`sbp.ops.writes.written`, and autograd's version)."""
+    from sbp.ops.writes import written
+
+    torch.autograd.graph.increment_version(g)
+    forget_range(g)
+    return written(g)
 
 
 # Each memory format's dims, innermost first (contiguous: the last dim first)
@@ -479,6 +494,17 @@ def _static_sizes(t: torch.Tensor) -> None:
         t._dynamo_static_indices = set(range(t.dim()))
 
 
+def read_now(g: GlobalTensor) -> GlobalTensor:
+    """`g`, where it is a copied view whose base was written since, taken again first
+    (`sbp.ops.writes.fresh`): for the reads of its local tensor that bypass the dispatcher,
+    which does this for every input."""
+    if g._copy_of is not None:
+        from sbp.ops.writes import fresh
+
+        fresh(g)
+    return g
+
+
 def _dispatch(func, args, kwargs):
     """First call: bind sbp.ops.dispatch here (a per-op import statement costs ~0.6 us)."""
     global _dispatch
@@ -510,7 +536,7 @@ class _Box(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: GlobalTensor, dst: GlobalSpec, grad_nd: NdSbp):
         ctx.src, ctx.dst, ctx.grad_nd = g._spec, dst, grad_nd
-        return GlobalTensor(box(g._local, g._spec, dst), dst)
+        return GlobalTensor(box(read_now(g)._local, g._spec, dst), dst)
 
     @staticmethod
     def backward(ctx, grad):
@@ -534,7 +560,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: GlobalTensor):
         ctx.spec = g._spec
-        return g._local.detach()
+        return read_now(g)._local.detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -653,15 +679,24 @@ def known_range(g: GlobalTensor) -> tuple[int, int] | None:
 
 def forget_range(g: GlobalTensor) -> None:
     """`g` is written on every rank. Global tensors sharing its storage (`g.detach()`,
-    `g.data`, views) hold ranges too: a count per storage of integer tensors tells them."""
+    `g.data`, views) hold ranges too, and copied views of them must be taken again: a
+    count per storage tells them (`global_writes`)."""
     g.__dict__.pop("_bounds", None)
-    if g.dtype in _BOUNDED_DTYPES:
+    if g.dtype in _BOUNDED_DTYPES or COPIED_VIEWS[0]:
         key = _storage_key(g._local)
         _global_writes[key] = _global_writes.get(key, 0) + 1
 
 
-# writes through global tensors per storage of integer local tensors (the ones with ranges)
+def global_writes(local: torch.Tensor) -> int:
+    """Writes through global tensors into `local`'s storage so far (counted for integer
+    tensors, and for every tensor once a copied view was made: `COPIED_VIEWS`)."""
+    return _global_writes.get(_storage_key(local), 0)
+
+
+# writes through global tensors per storage of integer local tensors (the ones with ranges),
+# and of every local tensor once sbp made a copied view (sbp.ops.writes.CopyOf)
 _global_writes: dict[int, int] = {}
+COPIED_VIEWS = [False]
 
 
 def _storage_key(local: torch.Tensor) -> int:

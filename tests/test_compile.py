@@ -667,6 +667,29 @@ def test_views_of_split_inputs_compile(pool2):
         assert torch.equal(base, x)
 
 
+def _copied_views_read_by_compiled_code():
+    """Copied views whose base was written after they were taken, passed into compiled
+    code: on the call that traces the graph and on a later call that reuses it."""
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(7)
+    x = torch.randn(5, 7, dtype=torch.float64)
+    h = sbp.tensor(x, placement=P, sbp=S1)
+    f = torch.compile(lambda t: t.sum(0) * 2, backend="aot_eager")
+    first, later = h[:, 1:5], h[:, 2:6]
+    h.mul_(10.0)
+    got = [f(first).full_tensor()]
+    h.add_(1.0)
+    got.append(f(later).full_tensor())
+    return got, [(x * 10)[:, 1:5].sum(0) * 2, (x * 10 + 1)[:, 2:6].sum(0) * 2]
+
+
+def test_copied_views_read_by_compiled_code_show_their_base_now(pool2):
+    """A copied view (a slice across a split dim) shows what its base holds when compiled
+    code reads it, as in eager: it went in as it was when taken."""
+    for got, want in pool2.run(_copied_views_read_by_compiled_code):
+        _close(got, want)
+
+
 def _cache_keys():
     """AOT autograd's cache key of one global tensor, as sbp is, and as if its source differed."""
     import sys

@@ -115,7 +115,53 @@ def _index_put_of_a_partial_sum_into_broadcast(make):
     return [y, z]
 
 
+def _copied_views_see_later_writes_into_their_base(make):
+    """The other way: a copied view read after its base was written shows the new values,
+    as a torch view does: written in place, through a true view of it, through another
+    copied view of it, by `g[i] = v`; and a view of the copy too."""
+    h = make(_logical(SHAPE, 0), S1)
+    v = h[:, 1:5]  # (across the split: a copy)
+    w = v[1:3]  # (a view of the copy)
+    h.mul_(10.0)
+    a = v * 1.0
+    h[:, :2].add_(1.0)  # (a true view of the base)
+    b = w + 0.0
+    qkv = make(_logical((5, 9), 1), S1)
+    q, k, _ = qkv.chunk(3, dim=-1)
+    across = qkv[:, 2:5]  # (overlaps q and k)
+    q.mul_(-2.0)  # (a copy written: the write reaches qkv, and so `across`)
+    c = across * 1.0
+    h[2] = 3.0
+    return [a, b, c, v, w, k.sum(0), across]
+
+
+def _views_that_lose_a_split_see_later_writes(make):
+    x = make(_logical((4, 6), 0), S1)
+    flat, rows = x.view(24), x.unbind(0)
+    x.add_(1.0)
+    e = x[1:2].expand(3, 6)  # (a slice across nothing split, then expanded)
+    z = make(torch.complex(_logical((4, 3), 1), _logical((4, 3), 2)), S0)
+    zc = z.conj()  # (resolved at once in sbp: a copy)
+    z.mul_(3.0)
+    s = make(_logical((4, 6), 3), S0)
+    e2 = s[:1].expand(3, 6)  # (across the split, then expanded)
+    s.mul_(-1.0)
+    return [flat * 1.0, rows[2], e, zc.abs(), zc * 1.0, e2 + 0.0]
+
+
+def _plain_value_copied_into_a_copied_view(make):
+    """`v.copy_(plain)` takes a plain source as the logical value (no dispatch): into a
+    copied view it must still reach the base (it did not: the base kept its values)."""
+    h = make(_logical(SHAPE, 0), S1)
+    h[:, 1:5].copy_(_logical((5, 4), 1))
+    h[3].copy_(_logical((7,), 2))
+    return [h]
+
+
 CASES = [
+    (_copied_views_see_later_writes_into_their_base, [None] * 7),
+    (_views_that_lose_a_split_see_later_writes, [None] * 6),
+    (_plain_value_copied_into_a_copied_view, [S1]),
     (_index_put_of_a_partial_sum_into_broadcast, [B, B]),
     (_slice_of_broadcast_gets_split, [B]),
     (_slice_across_split, [S1]),
@@ -229,3 +275,57 @@ def test_writes_on_a_2x2_placement_keep_partial_and_split(pool4, case_name):
     for got, layout in pool4.run(_writes_on_a_2x2_placement, case_name):
         torch.testing.assert_close(got, h, rtol=1e-12, atol=1e-12)
         assert layout == (P, S1)
+
+
+def _copied_view_of_a_parameter(how):
+    placement = sbp.placement("cpu", [0, 1])
+    w = sbp.tensor(_logical(SHAPE, 0), placement=placement, sbp=S1).requires_grad_()
+    with torch.no_grad():
+        v = w.view(-1)  # (the split dim is not the first: a copy)
+    first = v * 1.0
+    if how == "sgd":
+        (w * w).sum().backward()
+        torch.optim.SGD([w], lr=0.25).step()
+    else:  # every rank writes its own shard, outside the dispatcher
+        w.to_local().mul_(3.0)
+    with torch.no_grad():  # (torch refuses a view made so read with grad after the step)
+        return first.full_tensor(), (v * 1.0).full_tensor()
+
+
+@pytest.mark.parametrize("how", ["sgd", "to_local"])
+def test_a_copied_view_sees_an_optimizer_step_and_local_writes_into_its_base(pool2, how):
+    w = _logical(SHAPE, 0).requires_grad_()
+    with torch.no_grad():
+        v = w.view(-1)
+    first = v * 1.0
+    if how == "sgd":
+        (w * w).sum().backward()
+        torch.optim.SGD([w], lr=0.25).step()
+    else:
+        w.detach().mul_(3.0)
+    with torch.no_grad():
+        second = v * 1.0
+    for got_first, got_second in pool2.run(_copied_view_of_a_parameter, how):
+        torch.testing.assert_close(got_first, first, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_second, second, rtol=1e-12, atol=1e-12)
+
+
+def _copied_view_read_after_its_base_is_written_under_autograd():
+    placement = sbp.placement("cpu", [0, 1])
+    w = sbp.tensor(_logical(SHAPE, 0), placement=placement, sbp=S1).requires_grad_()
+    y = w * 1.0
+    v = y[:, 1:5]
+    y.mul_(3.0)  # autograd takes v as a view of the new y; sbp takes its values again
+    (v * v).sum().backward()
+    return v.full_tensor().detach(), w.grad.full_tensor()
+
+
+def test_a_copied_view_read_after_its_base_is_written_under_autograd(pool2):
+    w = _logical(SHAPE, 0).requires_grad_()
+    y = w * 1.0
+    v = y[:, 1:5]
+    y.mul_(3.0)
+    (v * v).sum().backward()
+    for got_v, got_grad in pool2.run(_copied_view_read_after_its_base_is_written_under_autograd):
+        torch.testing.assert_close(got_v, v.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_grad, w.grad, rtol=1e-12, atol=1e-12)

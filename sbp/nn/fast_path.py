@@ -70,7 +70,7 @@ from sbp.ops.nn import nll_layout, shard_seed
 from sbp.ops.out_variants import out_variant
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, is_all_broadcast, partial_sum, split, splits_to_partials
-from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, watch
+from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, read_now, watch
 
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
@@ -1248,6 +1248,7 @@ class DataParallel:
         def enter(a):
             if not isinstance(a, GlobalTensor):
                 return a
+            read_now(a)  # (a copied view of a base written since: taken again)
             if grad and a.requires_grad:
                 return _EnterLocal.apply(a, _share_spec(a._spec, data_nd))
             # (compiled: a new alias, as tracing the global input outside marked its local

@@ -27,13 +27,13 @@ def resolved_view(func, args, kwargs):
     step that runs above sbp's dispatch, so a local tensor marked so would be read as it
     is stored. The local value is resolved at once instead; the result is a copied view
     (sbp.ops.writes) that refuses in-place writes rather than miss its base."""
-    from sbp.ops.writes import as_shown
+    from sbp.ops.writes import CopyOf, as_shown
     from sbp.tensor import GlobalTensor
 
     g = args[0]
     local = g._local.conj_physical() if func is aten._conj.default else g._local.neg()
     out = GlobalTensor(local, g._spec)
-    out._copy_of = (as_shown(g), None)
+    out._copy_of = CopyOf(as_shown(g), None, func)
     return out
 
 

@@ -27,7 +27,7 @@ from sbp.boxing import plan_specs
 from sbp.comm import functional, stats
 from sbp.errors import IndexRangeError, PlacementError
 from sbp.layout import GlobalSpec
-from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
+from sbp.ops.writes import assign, fresh, is_inplace, is_view, mark_view, written
 from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
 
 _rules: dict[Any, Callable] = {}
@@ -385,6 +385,8 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
     implicit: list[int] = []  # local tensors taken as broadcast under implicit_replication()
     for i, a in enumerate(flat):
         if isinstance(a, GT):
+            if a._copy_of is not None:  # (its base written since? taken again)
+                fresh(a)
             spec = a._spec
             if placement is None:
                 placement = spec.placement

@@ -7,7 +7,8 @@ torch users rely on two promises of an in-place op: the tensor keeps being the s
 only where the op needs no data moved; where its input had to be re-boxed (a slice across a
 split dim, say) it is a copy. Such a copy remembers which part of its base it shows, and a
 write into it is written into that part of the base (in logical coordinates, as
-`g[index] = value` is), whatever the layouts.
+`g[index] = value` is), whatever the layouts. The other way too: a copy read after its
+base was written is taken again first (`fresh`), as a torch view shows its base's values.
 """
 
 from __future__ import annotations
@@ -21,12 +22,49 @@ from sbp.comm.functional import tracing
 
 aten = torch.ops.aten
 
-# What a view of a copy remembers of its base: (base, part). The part is a list of one int or
-# slice per base dim, RESHAPED (its elements in the base's order), or None (no way back), where
-# the op re-boxed its input (the same on every rank); LOCAL where this rank's local view had to
-# be a contiguous copy (`sbp.ops.registry.local_view`); ALIASED for a true view of a base that
-# is itself a copy, so that a write into it still reaches the base's base.
+# What part of its base a copied view shows: a list of one int or slice per base dim, RESHAPED
+# (its elements in the base's order), or None (no way back), where the op re-boxed its input
+# (the same on every rank); LOCAL where this rank's local view had to be a contiguous copy
+# (`sbp.ops.registry.local_view`); ALIASED for a true view of a base that is itself a copy, so
+# that a write into it still reaches the base's base.
 RESHAPED, LOCAL, ALIASED = "reshaped", "local", "aliased"
+
+
+class CopyOf:
+    """What a copied view (`g._copy_of`) remembers of its base: the base as it was shown
+    (`as_shown`; None inside compiled code, which never sees the base), the part it shows,
+    the base's versions when the view last matched it, and how to take the view again
+    (`func(base, *args, **kwargs)`, output `index`). Shared by everything that shows the
+    view's local memory (`as_shown`, `x.set_(view)`), so one refresh serves them all.
+
+    Two counts tell a write into the base's local memory: the writes through global
+    tensors on its storage (`sbp.tensor.forget_range`, counted by every rank for every
+    in-place op: SPMD), and the local tensor's own version, which moves where it is
+    written outside sbp's dispatcher (an optimizer's step on the locals,
+    `x.to_local().add_(1)`; inside the dispatcher writes into local tensors move no
+    version). So every rank takes a view again alike."""
+
+    __slots__ = ("base", "part", "version", "func", "args", "kwargs", "index")
+
+    def __init__(self, shown, part, func=None, args=(), kwargs=None, index=None) -> None:
+        self.base, self.part = shown, part
+        self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
+        self.version = None if shown is None else self.versions()
+
+    def versions(self) -> tuple:
+        """The base's counts of writes now."""
+        from sbp.tensor import COPIED_VIEWS, global_writes
+
+        COPIED_VIEWS[0] = True  # (from now on every write is counted)
+        local = self.base._local
+        return global_writes(local), None if local.is_inference() else local._version
+
+    def remake(self):
+        """The view taken again from its base (every rank takes it: SPMD)."""
+        out = self.func(self.base, *self.args, **self.kwargs)
+        return out if self.index is None else out[self.index]
+
+
 _SLICES = {aten.slice.Tensor, aten.narrow.default}
 _SPLITS = {
     aten.split.Tensor,
@@ -127,9 +165,10 @@ def mark_view(func, args: tuple, kwargs: dict, outs: list, boxed: bool, copied: 
     else:
         return
     shown = as_shown(base)
-    for out, part in zip(outs, parts, strict=True):
+    many = len(outs) > 1 or func in _SPLITS
+    for k, (out, part) in enumerate(zip(outs, parts, strict=True)):
         if out is not None:
-            out._copy_of = (shown, part)
+            out._copy_of = CopyOf(shown, part, func, args[1:], kwargs, k if many else None)
 
 
 def as_shown(x) -> Any:
@@ -146,11 +185,13 @@ def as_shown(x) -> Any:
 def written(g) -> Any:
     """Call after every in-place write into `g`; returns `g`. A copied view passes the new
     values on to its base (and so on up, where the base is a copied view too)."""
-    if g._copy_of is None:
+    record = g._copy_of
+    if record is None:
         return g
     from sbp.errors import SbpSignatureError
+    from sbp.tensor import forget_range
 
-    base, part = g._copy_of
+    base, part = record.base, record.part
     if base is None:
         raise SbpSignatureError(
             f"an in-place write into a view of sbp {g.sbp} that sbp had to copy from its base "
@@ -172,7 +213,48 @@ def written(g) -> Any:
             assign(base, value._local, value._spec)
         elif part is not ALIASED:
             write_part(base, part, g)
+    forget_range(base)  # (written on every rank: the base's other copied views are stale)
+    record.version = record.versions()  # (this one is not: the base holds what it shows)
     return written(base)
+
+
+def fresh(g) -> None:
+    """Copied view `g` taken again where its base was written since `g` last matched it
+    (a torch view shows its base's values now). Called before `g` is read: by the
+    dispatcher for every copied input, and by the reads that bypass it (`to_local`,
+    `to_global`, `g[i] = v`, a compiled call's inputs). Writes are told by the counts
+    `CopyOf.versions` reads, alike on every rank."""
+    record = g._copy_of
+    base = record.base
+    if base is None or record.func is None:
+        return  # (inside compiled code; or resolved once, as a conjugate)
+    if base._copy_of is not None:
+        fresh(base)
+    version = record.versions()
+    if version == record.version:
+        return
+    if record.part is not ALIASED:  # (an alias shares its base's memory: nothing to copy)
+        from sbp.tensor import box, forget_range
+
+        with torch.no_grad():
+            new = record.remake()
+            value = new._local if new._spec == g._spec else box(new._local, new._spec, g._spec)
+            if not _write_over(g._local, value):
+                g._local = value  # (overlapping itself, as unfold's windows: replaced)
+        forget_range(g)
+    record.version = version
+
+
+def _write_over(local: torch.Tensor, value: torch.Tensor) -> bool:
+    """Copy `value` into `local`, whose repeated elements (an expanded view's) take it
+    once; False where `local` overlaps itself otherwise."""
+    if any(s == 0 for s in local.stride()):
+        keep = tuple(slice(0, 1) if s == 0 else slice(None) for s in local.stride())
+        local, value = local[keep], value[keep]
+    if torch._debug_has_internal_overlap(local) == 1:  # (2: too hard to tell; copy_ too)
+        return False
+    local.copy_(value)
+    return True
 
 
 def assign(g, local: torch.Tensor, spec) -> None:
