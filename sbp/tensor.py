@@ -169,7 +169,6 @@ class GlobalTensor(torch.Tensor):
         return True
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        read_now(self)
         return (
             f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"placement={self.placement}, sbp={format_nd_sbp(self.sbp)}, local={self._local!r})"
@@ -179,7 +178,9 @@ class GlobalTensor(torch.Tensor):
 
     # ------------------------------------------------------------ conversions
     def to_local(self) -> torch.Tensor:
-        """This rank's local tensor (autograd-aware; empty on ranks outside the placement)."""
+        """This rank's local tensor (autograd-aware; empty on ranks outside the placement).
+        Local, so never communicating: a copied view whose base was written since is not
+        taken again (`sbp.ops.writes.fresh`), as any op on it would."""
         return _ToLocal.apply(self)
 
     def to_global(
@@ -497,7 +498,8 @@ def _static_sizes(t: torch.Tensor) -> None:
 def read_now(g: GlobalTensor) -> GlobalTensor:
     """`g`, where it is a copied view whose base was written since, taken again first
     (`sbp.ops.writes.fresh`): for the reads of its local tensor that bypass the dispatcher,
-    which does this for every input."""
+    which does this for every input. (It may communicate: every rank reads alike. Not
+    for `to_local` and `repr`, which never do.)"""
     if g._copy_of is not None:
         from sbp.ops.writes import fresh
 
@@ -560,7 +562,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: GlobalTensor):
         ctx.spec = g._spec
-        return read_now(g)._local.detach()
+        return g._local.detach()
 
     @staticmethod
     def backward(ctx, grad):

@@ -221,8 +221,9 @@ def written(g) -> Any:
 def fresh(g) -> None:
     """Copied view `g` taken again where its base was written since `g` last matched it
     (a torch view shows its base's values now). Called before `g` is read: by the
-    dispatcher for every copied input, and by the reads that bypass it (`to_local`,
-    `to_global`, `g[i] = v`, a compiled call's inputs). Writes are told by the counts
+    dispatcher for every copied input, and by the reads that bypass it (`to_global`,
+    `g[i] = v`, a compiled call's inputs; not `to_local` or `repr`, which never
+    communicate). Writes are told by the counts
     `CopyOf.versions` reads, alike on every rank."""
     record = g._copy_of
     base = record.base
