@@ -304,7 +304,9 @@ class GlobalTensor(torch.Tensor):
             super().__setitem__(index, number_as_global(self, value))
 
     def full_tensor(self) -> torch.Tensor:
-        """The logical value as a plain tensor on every rank of the placement."""
+        """The logical value as a plain tensor on every rank of the placement (a copied
+        view already broadcast is taken again first where stale: `to_local` does not)."""
+        read_now(self)
         return self.to_global(sbp=(broadcast,) * self.placement.ndim).to_local()
 
     def item(self):

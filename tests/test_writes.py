@@ -149,6 +149,25 @@ def _views_that_lose_a_split_see_later_writes(make):
     return [flat * 1.0, rows[2], e, zc.abs(), zc * 1.0, e2 + 0.0]
 
 
+def _foreach_ops_on_copied_views(make):
+    """List ops (optimizers, clip_grad_norm_) read copied views fresh and write through them
+    (a `_foreach_add_` into one left its base unwritten)."""
+    h, w = make(_logical((4, 6), 0), S1), make(_logical(SHAPE, 1), S1)
+    torch._foreach_add_([h.view(-1), w[:, 1:5]], [1.0, 2.0])
+    v = w[:, 2:6]
+    w.mul_(3.0)
+    return [h, w, torch._foreach_mul([v], 0.5)[0]]
+
+
+def _broadcast_copied_view_read_whole(make):
+    """`full_tensor()` of a copied view already broadcast (unfold has no rule: it runs on
+    broadcast inputs) re-boxes nothing, so it reads the local tensor: taken again first."""
+    h = make(_logical((4, 8), 0), S1)
+    u = h.unfold(1, 3, 1)
+    h.mul_(10.0)
+    return [u]
+
+
 def _plain_value_copied_into_a_copied_view(make):
     """`v.copy_(plain)` takes a plain source as the logical value (no dispatch): into a
     copied view it must still reach the base (it did not: the base kept its values)."""
@@ -162,6 +181,8 @@ CASES = [
     (_copied_views_see_later_writes_into_their_base, [None] * 7),
     (_views_that_lose_a_split_see_later_writes, [None] * 6),
     (_plain_value_copied_into_a_copied_view, [S1]),
+    (_foreach_ops_on_copied_views, [S1, S1, None]),
+    (_broadcast_copied_view_read_whole, [B]),
     (_index_put_of_a_partial_sum_into_broadcast, [B, B]),
     (_slice_of_broadcast_gets_split, [B]),
     (_slice_across_split, [S1]),

@@ -19,7 +19,7 @@ from sbp import comm, env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
 from sbp.ops.registry import LOCAL_STATE_OPS, rebox, register
-from sbp.ops.writes import assign
+from sbp.ops.writes import assign, written
 from sbp.signature import broadcast, partials_to_broadcast
 
 aten = torch.ops.aten
@@ -64,13 +64,14 @@ def list_rule(func, args, kwargs):
     from sbp.ops.registry import flatten, scan
     from sbp.tensor import GlobalTensor, written_args
 
-    scan(func, flatten(args, kwargs)[0])  # mixed placements or local tensors: a named error
+    # mixed placements or local tensors: a named error; copied views taken again if stale
+    scan(func, flatten(args, kwargs)[0])
     lists = [
         i
         for i, a in enumerate(args)
         if isinstance(a, (list, tuple)) and any(isinstance(t, GlobalTensor) for t in a)
     ]
-    written = {i for i, _ in written_args(func)}
+    written_at = {i for i, _ in written_args(func)}
     first = args[lists[0]]
     targets = [partials_to_broadcast(t._spec.nd_sbp) for t in first]
     placement = first[0]._spec.placement
@@ -86,7 +87,7 @@ def list_rule(func, args, kwargs):
                 locals_.append(t)
                 continue
             aligned = rebox(t, targets[i])
-            if li in written and aligned is not t:
+            if li in written_at and aligned is not t:
                 write_back.append((t, aligned))
             locals_.append(aligned._local)
         local_args[li] = locals_
@@ -101,6 +102,10 @@ def list_rule(func, args, kwargs):
     out = _run(func, _with(local_args, at, numbers), local_kwargs, placement, specs)
     for t, aligned in write_back:  # (in t's own layout: in-place ops keep it)
         assign(t, aligned._local, aligned._spec)
+    for li in written_at.intersection(lists):
+        for t in args[li]:
+            if type(t) is GlobalTensor:
+                written(t)  # (a copied view passes the write on to its base)
     return out
 
 
@@ -135,6 +140,8 @@ def _aligned_locals(args, kwargs):
             continue
         if not all(map(is_, map(type, a), repeat(GlobalTensor))):
             return None
+        if any(map(_COPY_OF, a)):  # copied views: read fresh, written through (general path)
+            return None
         these = list(map(_SPEC, a))
         if specs is None:
             specs, placement = these, these[0].placement
@@ -152,7 +159,7 @@ def _aligned_locals(args, kwargs):
     return local_args, placement, specs
 
 
-_SPEC, _LOCAL = attrgetter("_spec"), attrgetter("_local")
+_SPEC, _LOCAL, _COPY_OF = attrgetter("_spec"), attrgetter("_local"), attrgetter("_copy_of")
 _ND_SBP, _PLACEMENT = attrgetter("nd_sbp"), attrgetter("placement")
 
 

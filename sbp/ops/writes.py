@@ -195,9 +195,9 @@ def written(g) -> Any:
     if base is None:
         raise SbpSignatureError(
             f"an in-place write into a view of sbp {g.sbp} that sbp had to copy from its base "
-            "(a slice across a split dim, say), passed into a compiled function: the compiled "
-            "code cannot reach the base; pass the base and take the view inside, or pass "
-            "view.clone()"
+            "(a slice across a split dim, say), passed into or returned by compiled code, which "
+            "cannot reach the base; take the view where its base is (inside the compiled "
+            "function, or outside it from the base it returns), or write view.clone()"
         )
     if part is None:
         raise SbpSignatureError(
