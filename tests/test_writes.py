@@ -53,6 +53,16 @@ def _chunks_of_split_dim(make):
     return [qkv, k]
 
 
+def _tensor_split_of_split_dim(make):
+    t = make(_logical(SHAPE, 0), S1)
+    a, b = torch.tensor_split(t, [3], dim=1)
+    c, d, e = t.tensor_split(3, dim=0)
+    b.mul_(-1.0)
+    d.fill_(0.5)
+    t.add_(1.0)
+    return [t, a * 1.0, e]
+
+
 def _unbind_split_dim(make):
     t = make(_logical((5, 3), 0), S1)
     a, b, c = t.unbind(1)
@@ -189,6 +199,7 @@ CASES = [
     (_augmented_slice_assignment, [S1]),
     (_select_across_split, [S0]),
     (_chunks_of_split_dim, [S1, None]),
+    (_tensor_split_of_split_dim, [S1, None, None]),
     (_unbind_split_dim, [S1]),
     (_view_losing_its_split, [S1]),
     (_view_of_a_copied_view, [S1]),

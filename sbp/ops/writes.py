@@ -165,7 +165,7 @@ def mark_view(func, args: tuple, kwargs: dict, outs: list, boxed: bool, copied: 
     else:
         return
     shown = as_shown(base)
-    many = len(outs) > 1 or func in _SPLITS
+    many = len(outs) > 1 or str(func._schema.returns[0].type).startswith("List")
     for k, (out, part) in enumerate(zip(outs, parts, strict=True)):
         if out is not None:
             out._copy_of = CopyOf(shown, part, func, args[1:], kwargs, k if many else None)
