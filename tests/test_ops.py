@@ -430,6 +430,24 @@ ROWS = {
         ),
         [(S0,), (S1,), (B,)],
     ),
+    # list-taking ops whose one result mixes the entries took the foreach rule (ValueError)
+    "block_diag": Row(
+        [(2, 3), (1, 2)], lambda a, b: torch.block_diag(a, b), [(S0, B), (S1, S0), (B, B)]
+    ),
+    "chunk_cat": Row(
+        [(4, 6), (4, 2)], lambda a, b: torch._chunk_cat([a, b], 1, 2), [(S1, S0), (B, B)], False
+    ),
+    # dim 0 (or -1) of a 0-dim tensor is the tensor itself (an IndexError in the rules)
+    "reductions_of_a_0dim_tensor": Row(
+        [()],
+        lambda x: (x.mean(0, keepdim=True), x.sum(-1), torch.cummax(x, 0)[0]),
+        [(B,), (P,)],
+    ),
+    "scatter_add_of_0dim_tensors": Row(
+        [(), ("int", (), 1), ()],
+        lambda x, i, s: torch.scatter_add(x, 0, i, s),
+        [(B, B, B), (P, B, P)],
+    ),
 }
 
 

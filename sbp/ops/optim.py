@@ -34,9 +34,16 @@ LOCAL_STATE_OPS.add(aten._amp_foreach_non_finite_check_and_unscale_)
 
 
 def is_list_op(func) -> bool:
-    """Ops whose first argument is a list of tensors."""
-    args = func._schema.arguments
-    return bool(args) and str(args[0].type).startswith("List[Tensor")
+    """Ops whose first argument is a list of tensors, and which return nothing or lists (one
+    result per entry): the `_foreach_*` and fused optimizer ops. Not `block_diag`,
+    `pad_sequence`, `_chunk_cat`, whose one result mixes the entries (they take the
+    fallback, as any op without a rule)."""
+    args, returns = func._schema.arguments, func._schema.returns
+    return (
+        bool(args)
+        and str(args[0].type).startswith("List[Tensor")
+        and all(str(r.type).startswith("List[Tensor") for r in returns)
+    )
 
 
 @functools.cache

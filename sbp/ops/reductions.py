@@ -33,7 +33,9 @@ def reduced_dims(call: Call, dim_pos: int = 1) -> tuple[list[int], bool]:
     dims = call.arg(dim_pos, "dim", None)
     if call.func.overloadpacket in (aten.sum, aten.mean) and call.func._overloadname == "default":
         dims = None
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+    if ndim == 0:  # (dim 0 or -1 of a 0-dim tensor is the tensor itself: no dim to reduce)
+        dims = []
+    elif dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(ndim))
     elif isinstance(dims, int):
         dims = [dims]

@@ -181,9 +181,11 @@ def scatter_add(call: Call) -> list[Strategy]:
         return [Strategy((broadcast,) * len(call.specs), (broadcast,))]
     shapes = [s.shape for s in call.specs]
     ndim = len(shapes[0])
-    dim = _norm(call.arg(1, "dim"), ndim)
     B, P = broadcast, partial_sum
     cands = [Strategy((B, B, B), (B,)), Strategy((P, B, P), (P,))]
+    if ndim == 0 or min(len(s) for s in shapes) == 0:  # (0-dim: dim 0 is no dim to split)
+        return cands
+    dim = _norm(call.arg(1, "dim"), ndim)
     if shapes[1][dim] == shapes[2][dim]:  # (src may be longer: its rows must pair with index's)
         cands.append(Strategy((P, split(dim), split(dim)), (P,)))
     cands += [
