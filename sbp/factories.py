@@ -80,6 +80,11 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
             value = torch.as_tensor(data, dtype=dtype, device=device)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InputTypeError(f"sbp.tensor: cannot make a tensor of data: {e}") from e
+        if value.layout != torch.strided:
+            raise InputTypeError(
+                f"sbp.tensor: data is a {value.layout} tensor; global tensors are dense: "
+                "pass data.to_dense()"
+            )
         description = {
             "placement": repr(placement),
             "sbp": repr(normalize_nd_sbp(sbp, placement.ndim, value.dim())),

@@ -987,6 +987,10 @@ def _bad_input(x: Any, placement: Any, sbp: Any, shape: Any) -> SbpError | None:
             f"to_global: expected a torch.Tensor (or a dict/list/tuple of them), got "
             f"{type(x).__name__}; make it one first (torch.as_tensor(x))"
         )
+    if x.layout != torch.strided:
+        return InputTypeError(
+            f"to_global: x is a {x.layout} tensor; global tensors are dense: pass x.to_dense()"
+        )
     if not isinstance(placement, Placement):
         return PlacementError(f"to_global: placement must be an sbp.placement, got {placement!r}")
     try:

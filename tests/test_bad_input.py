@@ -261,6 +261,10 @@ def _factory_bad_argument(rank, world, what):
         return sbp.randn(4, placement=P, sbp=sbp.split(0), dtype=torch.int64)
     if what == "no sbp":
         return sbp.full((2,), 1.0, placement=P)
+    if what == "sparse data":
+        return sbp.tensor(torch.eye(3).to_sparse_csr(), placement=P, sbp=sbp.broadcast)
+    if what == "sparse local":
+        return sbp.to_global(torch.eye(3).to_sparse(), P, sbp.split(0))
     g = sbp.to_global(torch.ones(world, 3), P, sbp.split(0))
     return g.to_global(sbp=sbp.broadcast, shape=(world + 1, 3))
 
@@ -272,6 +276,8 @@ def _factory_bad_argument(rank, world, what):
         ("negative size", sbp.InputTypeError, "sbp.zeros"),
         ("integer randn", sbp.InputTypeError, "sbp.randn"),
         ("no sbp", sbp.SbpSignatureError, "sbp= is required"),
+        ("sparse data", sbp.InputTypeError, "dense"),
+        ("sparse local", sbp.InputTypeError, "dense"),
         ("shape of a global", sbp.MetaMismatchError, "shape="),
     ],
 )
