@@ -95,9 +95,10 @@ def _layout(t: torch.Tensor, key: tuple) -> object:
 
 def _global(t: torch.Tensor, layout, placement) -> sbp.GlobalTensor:
     t = t.detach()
-    if layout == sbp.partial_sum:  # each rank holds half: exact in binary, infinities kept
-        half = t * 0.5
-        return sbp.to_global(half.contiguous(), placement, layout, shape=tuple(t.shape))
+    if layout == sbp.partial_sum:  # the first two ranks hold half each (exact in binary,
+        # infinities kept), the others zeros
+        part = t * 0.5 if sbp.env.get_rank() in placement.ranks[:2] else torch.zeros_like(t)
+        return sbp.to_global(part.contiguous(), placement, layout, shape=tuple(t.shape))
     return sbp.tensor(t.clone(), placement=placement, sbp=layout)
 
 
@@ -221,21 +222,21 @@ def _failures(per_rank: list[dict[str, list[str]]]) -> dict[str, str]:
     return failing
 
 
-def _check(per_rank: list[dict[str, list[str]]]) -> None:
+def _check(per_rank: list[dict[str, list[str]]], every_sample: bool) -> None:
     failing = _failures(per_rank)
     unexpected = {k: v for k, v in failing.items() if k not in KNOWN}
     assert not unexpected, "\n".join(f"{k}: {v}" for k, v in sorted(unexpected.items()))
     passing = sorted(k for k in KNOWN if k in per_rank[0] and k not in failing)
-    assert not passing, f"{passing} pass now: take them off KNOWN"
+    assert not passing or not every_sample, f"{passing} pass now: take them off KNOWN"
     assert sum(runs.count("ok") for runs in per_rank[0].values()) > 500  # (it ran)
 
 
 def test_every_op_of_torchs_op_database_equals_one_process(pool2):
     """Forward, every sample of each op, 2 ranks (under a minute)."""
-    _check(pool2.run(_sweep, 1000, False, timeout=900))
+    _check(pool2.run(_sweep, 1000, False, timeout=900), every_sample=True)
 
 
 @pytest.mark.slow
 def test_every_op_of_torchs_op_database_with_gradients_on_4_ranks(pool4):
     """Forward and backward, the first four samples of each op, 4 ranks."""
-    _check(pool4.run(_sweep, 4, True, timeout=3000))
+    _check(pool4.run(_sweep, 4, True, timeout=3000), every_sample=False)

@@ -443,6 +443,12 @@ ROWS = {
         lambda x: (x.mean(0, keepdim=True), x.sum(-1), torch.cummax(x, 0)[0]),
         [(B,), (P,)],
     ),
+    # the gradient of a sum is an expanded tensor: as_strided read past its one element
+    "as_strided_scatter_summed": Row(
+        [(3, 3), (2, 2)],
+        lambda a, b: torch.as_strided_scatter(a, b, (2, 2), (1, 2), 0).sum(),
+        [(S1, S1), (S0, B), (B, B)],
+    ),
     "scatter_add_of_0dim_tensors": Row(
         [(), ("int", (), 1), ()],
         lambda x, i, s: torch.scatter_add(x, 0, i, s),

@@ -68,6 +68,22 @@ local_out_size.size_from_output = True  # the dispatcher may precompute it per d
 local_out_size.from_local_input = True  # (see `sbp.ops.registry.StrategyRule`)
 
 
+def _storage_of_its_own(func, args, kwargs, rank, in_specs, out_specs):
+    """as_strided reads strides over a storage: an expanded local tensor (a gradient of a
+    sum, say) holds one element where the logical tensor holds all: made whole first."""
+    x = args[0]
+    if 0 in x.stride() and x.numel() > 1:
+        x = x.contiguous()
+    return (x, *args[1:]), kwargs
+
+
+@register_strategy(aten.as_strided, local_args=_storage_of_its_own)
+def as_strided(call: Call) -> list[Strategy]:
+    """Any element of the storage may land anywhere: on the whole value (a partial sum stays
+    partial: the op only picks elements)."""
+    return [Strategy((broadcast,), (broadcast,)), Strategy((partial_sum,), (partial_sum,))]
+
+
 @register_strategy(
     aten.view, aten._unsafe_view, aten.reshape, aten.expand, local_args=local_out_size
 )
