@@ -449,6 +449,16 @@ ROWS = {
         lambda a, b: torch.as_strided_scatter(a, b, (2, 2), (1, 2), 0).sum(),
         [(S1, S1), (S0, B), (B, B)],
     ),
+    # their backward formulas make the zeros they scatter as local tensors
+    "scatter_into_parts": Row(
+        [(4, 6), (4, 2), (4,), (4,)],
+        lambda a, b, c, d: (
+            torch.slice_scatter(a, b, 1, 2, 4),
+            torch.select_scatter(a, c, 1, 3),
+            torch.diagonal_scatter(a, d),
+        ),
+        [(S0, B, S0, B), (S1, S0, B, S0), (B, B, B, B), (P, B, P, B)],
+    ),
     "scatter_add_of_0dim_tensors": Row(
         [(), ("int", (), 1), ()],
         lambda x, i, s: torch.scatter_add(x, 0, i, s),

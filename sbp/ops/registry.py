@@ -358,6 +358,10 @@ FORMULA_BUFFER_OPS = frozenset(
         torch.ops.aten.cat,
         torch.ops.aten.stack,  # (unbind's backward: zeros for the unused parts)
         torch.ops.aten.index_put,
+        # (the backward of slice_scatter and kin: zeros where src was)
+        torch.ops.aten.slice_scatter,
+        torch.ops.aten.select_scatter,
+        torch.ops.aten.diagonal_scatter,
     }
 )
 
