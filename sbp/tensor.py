@@ -298,8 +298,8 @@ class GlobalTensor(torch.Tensor):
         """Basic indexing writes each rank's part of the logical slice (see sbp.setitem)."""
         from sbp.setitem import number_as_global, setitem
 
-        forget_range(self)  # every rank writes (SPMD), even where it holds no part
         read_now(self)  # (a copied view writes itself whole into its base after)
+        forget_range(self)  # every rank writes (SPMD), even where it holds no part
         if not setitem(self, index, value):
             super().__setitem__(index, number_as_global(self, value))
 
@@ -670,7 +670,7 @@ def known_range(g: GlobalTensor) -> tuple[int, int] | None:
     if recorded is None:
         return None
     lo, hi, local, version, writes = recorded
-    if g._local is not local or _global_writes.get(_storage_key(local), 0) != writes:
+    if g._local is not local or global_writes(local) != writes:
         return None  # replaced, or written through another global tensor on its storage
     if local._version != version:
         raise MetaMismatchError(
@@ -717,7 +717,7 @@ def learn_range(g: GlobalTensor, logical: torch.Tensor) -> None:
 
 def _record_range(g: GlobalTensor, bounds: tuple[int, int]) -> None:
     local = g._local
-    g._bounds = (*bounds, local, local._version, _global_writes.get(_storage_key(local), 0))
+    g._bounds = (*bounds, local, local._version, global_writes(local))
 
 
 _mutable: dict = {}

@@ -49,13 +49,17 @@ class CopyOf:
     def __init__(self, shown, part, func=None, args=(), kwargs=None, index=None) -> None:
         self.base, self.part = shown, part
         self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
-        self.version = None if shown is None else self.versions()
+        self.version = None
+        if shown is not None:
+            from sbp.tensor import COPIED_VIEWS
+
+            COPIED_VIEWS[0] = True  # (from now on every write is counted)
+            self.version = self.versions()
 
     def versions(self) -> tuple:
         """The base's counts of writes now."""
-        from sbp.tensor import COPIED_VIEWS, global_writes
+        from sbp.tensor import global_writes
 
-        COPIED_VIEWS[0] = True  # (from now on every write is counted)
         local = self.base._local
         return global_writes(local), None if local.is_inference() else local._version
 
@@ -223,8 +227,8 @@ def fresh(g) -> None:
     (a torch view shows its base's values now). Called before `g` is read: by the
     dispatcher for every copied input, and by the reads that bypass it (`to_global`,
     `g[i] = v`, a compiled call's inputs; not `to_local` or `repr`, which never
-    communicate). Writes are told by the counts
-    `CopyOf.versions` reads, alike on every rank."""
+    communicate). Writes are told by the counts `CopyOf.versions` reads, alike on every
+    rank."""
     record = g._copy_of
     base = record.base
     if base is None or record.func is None:
