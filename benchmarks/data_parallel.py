@@ -1,7 +1,8 @@
 """Data-parallel training: global tensors vs torch DDP, same machine, same run.
 
-mobilenet_v2 (10 classes; `--model vit`: a small vision transformer) on 3x32x32, SGD with
-momentum, a batch of `--batch` per rank.
+mobilenet_v2 (10 classes; `--model vit`: a small vision transformer; `--model lstm`: a
+2-layer LSTM reading each image row by row) on 3x32x32, SGD with momentum, a batch of
+`--batch` per rank.
 Each method trains its own copy of the model from the same initial weights on the same
 data; the methods take turns step by step (a barrier before each step, the slowest rank's
 time per step), so slow phases of this shared machine hit them alike.
@@ -51,7 +52,24 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# --model: (what the JSON calls it, its torchvision constructor and arguments)
+
+class RowLSTM(torch.nn.Module):
+    """Each 3x32x32 image as a sequence of its 32 rows (96 values each): a 2-layer LSTM,
+    then a linear head on the last step (torch's recurrent kernel, no BatchNorm)."""
+
+    def __init__(self, hidden: int = 128, num_classes: int = 10):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(96, hidden, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.permute(0, 2, 1, 3).flatten(2)  # (N, 32 rows, 3 * 32)
+        out, _ = self.lstm(rows)
+        return self.head(out[:, -1])
+
+
+# --model: (what the JSON calls it, its constructor (a torchvision name or a class) and
+# arguments)
 MODELS = {
     "mobilenet_v2": ("mobilenet_v2(num_classes=10)", "mobilenet_v2", {"num_classes": 10}),
     # a small ViT for 32x32 images: torch's multi-head attention, LayerNorm, no BatchNorm
@@ -63,6 +81,7 @@ MODELS = {
             num_classes=10,
         ),
     ),
+    "lstm": ("RowLSTM(96 -> 128, 2 layers, 10 classes)", RowLSTM, {}),
 }  # fmt: skip
 
 
@@ -71,7 +90,9 @@ def _model(device: str, name: str = "mobilenet_v2") -> torch.nn.Module:
 
     torch.manual_seed(0)
     _, constructor, options = MODELS[name]
-    return getattr(torchvision.models, constructor)(**options).to(device)
+    if isinstance(constructor, str):
+        constructor = getattr(torchvision.models, constructor)
+    return constructor(**options).to(device)
 
 
 def _batches(rank: int, cfg: dict, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -60,6 +60,7 @@ from sbp.nn import (
     row_wise_calls,
     shard_batch_norm,
     torch_attention,
+    torch_recurrent,
 )
 from sbp.nn.names_replaced import NamesReplaced
 from sbp.nn.output_leaves import output_leaves
@@ -283,14 +284,16 @@ class _Check:
             self.dropouts += 1
             self.by_name_dropouts += bool(self.attention_depth)
 
-    def torch_attention(self, func, args: tuple, kwargs: dict) -> Any:
-        """`F.multi_head_attention_forward`, taken as a whole where its tensors are laid out
-        as the batch (sbp.nn.torch_attention): nothing inside is judged; else its ops are."""
-        if torch_attention.why_not_row_wise(args, kwargs, self.data_nd):
+    def whole_call(self, kind, func, args: tuple, kwargs: dict) -> Any:
+        """A torch function that is row-wise in the batch (multi-head attention,
+        sbp.nn.torch_attention; a recurrent layer, sbp.nn.torch_recurrent), taken as a whole
+        where its tensors are laid out as the batch: nothing inside is judged; else its ops
+        are."""
+        if kind.why_not_row_wise(args, kwargs, self.data_nd):
             return func(*args, **kwargs)
         self.whole_calls += 1
         try:
-            return torch_attention.laid_out_as_batch(func(*args, **kwargs), self.data_nd)
+            return kind.run_whole(func, args, kwargs, self.data_nd)
         finally:
             self.whole_calls -= 1
 
@@ -353,13 +356,14 @@ def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
     )
 
 
-class _AttentionCalls(TorchFunctionMode):
-    """In the checking pass, torch's attention functions as called:
+class _WholeCalls(TorchFunctionMode):
+    """In the checking pass, torch's attention and recurrent functions as called:
     - `F.scaled_dot_product_attention` with dropout (`dropout_p`) off the CPU draws its
       masks inside torch's fused kernel, where the local run cannot draw the op-by-op
       path's masks, so the module runs op by op. On the CPU torch computes it as a
       composite whose `bernoulli_` the check sees (`_Run.attention`);
-    - `F.multi_head_attention_forward` is taken as a whole (`_Check.torch_attention`)."""
+    - `F.multi_head_attention_forward` and torch's recurrent functions (`torch.lstm`, ...)
+      are taken as a whole (`_Check.whole_call`)."""
 
     def __init__(self, check: _Check):
         super().__init__()
@@ -372,7 +376,9 @@ class _AttentionCalls(TorchFunctionMode):
             if p and args[0].device.type != "cpu":
                 self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
         if func is torch_attention.ATTENTION:
-            return self.check.torch_attention(func, args, kwargs)
+            return self.check.whole_call(torch_attention, func, args, kwargs)
+        if func in torch_recurrent.CALLS:
+            return self.check.whole_call(torch_recurrent, func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -885,15 +891,24 @@ class _Slots:
         return self._leaves[id(p)][1]
 
     @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        """The local tensors in the module's tables for the duration."""
+    def swapped(self, recurrent: list[torch.nn.RNNBase]) -> Iterator[None]:
+        """The local tensors in the module's tables for the duration, and in the lists of
+        weights that torch's recurrent layers pass (`_flat_weights`, kept beside the
+        tables)."""
         for table, name, local in zip(self.tables, self.names, self.local, strict=True):
             table[name] = local
+        flat = [(m, m._flat_weights) for m in recurrent]
+        for m, weights in flat:
+            m.__dict__["_flat_weights"] = [
+                self._leaves[id(w)][1] if id(w) in self._leaves else w for w in weights
+            ]
         try:
             yield
         finally:
             for table, name, t in zip(self.tables, self.names, self.tensors, strict=True):
                 table[name] = t
+            for m, weights in flat:
+                m.__dict__["_flat_weights"] = weights
 
 
 def _is_constant(value: Any) -> bool:
@@ -926,6 +941,7 @@ class DataParallel:
         self._numbers_seen: dict[tuple, int] = {}  # layout keys but for numbers: how many
         self._slots: _Slots | None = None
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
+        self._recurrent: list[torch.nn.RNNBase] = []  # LSTM, GRU and RNN submodules
         self._checkpointable: list[torch.nn.Module] = []  # (attribute gradient_checkpointing)
         self._dropouts: list[torch.nn.Module] = []  # the dropout ones
         self._reducer: gradients.Reducer | None = None
@@ -1133,6 +1149,7 @@ class DataParallel:
         self._slots = None
         allb = (broadcast,) * self.placement.ndim
         self._special = [m for m in self._module_ref.modules() if isinstance(m, SPECIAL_MODULES)]
+        self._recurrent = [m for m in self._module_ref.modules() if isinstance(m, torch.nn.RNNBase)]
         self._checkpointable = [
             m for m in self._module_ref.modules() if hasattr(m, "gradient_checkpointing")
         ]
@@ -1172,10 +1189,10 @@ class DataParallel:
         registry.observers.append(check)
         try:
             counted = _forwards_replaced(self._special, lambda m, f: _within(_Depth(check), f))
-            modes = torch._C._len_torch_function_stack() + 1  # (with _AttentionCalls)
+            modes = torch._C._len_torch_function_stack() + 1  # (with _WholeCalls)
             by_name = _by_name_replaced(_called_by_name(check, modes))
             row_wise = row_wise_calls.unjudged(check, sizes[0] if sizes else None)
-            with torch.no_grad(), counted, by_name, row_wise, _AttentionCalls(check):
+            with torch.no_grad(), counted, by_name, row_wise, _WholeCalls(check):
                 out = self._original(*args, **kwargs)
             left = [b._local.clone() for b in buffers]
         finally:
@@ -1282,7 +1299,7 @@ class DataParallel:
                 local_ops.enter_context(_by_name_replaced(run.by_name))
         else:
             forward, local_ops = self._original, _LocalOps(run)
-        with self._slots.swapped(), local_constants.suspended(), local_ops:
+        with self._slots.swapped(self._recurrent), local_constants.suspended(), local_ops:
             out = forward(*largs, **lkwargs)
         ran, checked = (
             (run.bn_calls, run.dropouts, run.losses),

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from sbp.nn import fast_path
+from sbp.nn import fast_path, torch_recurrent
 from sbp.placement import placement as Placement
 from sbp.signature import normalize_nd_sbp
 from sbp.tensor import module_to_global as convert_module
@@ -16,8 +16,10 @@ def module_to_global(
     module: torch.nn.Module, placement: Placement, sbp: Any, **kwargs: Any
 ) -> torch.nn.Module:
     """Convert `module` in place (see `sbp.tensor.module_to_global`); a module made broadcast
-    everywhere runs data-parallel calls on local shards (`sbp.nn.fast_path`)."""
+    everywhere runs data-parallel calls on local shards (`sbp.nn.fast_path`); recurrent
+    layers start from a global zero state (`sbp.nn.torch_recurrent`)."""
     convert_module(module, placement, sbp, **kwargs)
+    torch_recurrent.attach(module)
     nd = normalize_nd_sbp(sbp, placement.ndim)
     if all(s.is_broadcast for s in nd):
         fast_path.attach(module, placement)

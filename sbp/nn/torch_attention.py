@@ -37,7 +37,7 @@ def _signature() -> inspect.Signature:
     return inspect.signature(ATTENTION)
 
 
-def _moved(data_nd: tuple, dim: int) -> tuple:
+def moved_to(data_nd: tuple, dim: int) -> tuple:
     """The batch's layout with its splits moved to `dim`."""
     return tuple(split(dim) if s.is_split else s for s in data_nd)
 
@@ -62,7 +62,7 @@ def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
     dropout = bound.get("dropout_p", 0.0) and bound.get("training", True)
     if dropout and not bound.get("need_weights", True) and query.device.type != "cpu":
         return "dropout inside torch's fused attention kernel"
-    batch = _moved(data_nd, 1)
+    batch = moved_to(data_nd, 1)
     spec = query._spec
     heads = bound["num_heads"]
     if dropout and not _whole_samples(spec, heads, spec.shape[1] * heads, data_nd):
@@ -89,12 +89,13 @@ def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
     return ""
 
 
-def laid_out_as_batch(out: Any, data_nd: tuple) -> Any:
-    """The call's result, (output (L, N, E), weights (N, ...) or None), laid out as the
-    batch, as the local run's are, where the moves inside left it otherwise (broadcast, or
-    a partial sum: splitting is free where the boxing planner picks)."""
-    output, weights = out
-    output = output.to_global(sbp=_moved(data_nd, 1))
+def run_whole(func, args: tuple, kwargs: dict, data_nd: tuple) -> Any:
+    """The call op by op (its dropout draws the op-by-op path's masks), its result,
+    (output (L, N, E), weights (N, ...) or None), laid out as the batch, as the local run's
+    are, where the moves inside left it otherwise (broadcast, or a partial sum: splitting
+    is free where the boxing planner picks)."""
+    output, weights = func(*args, **kwargs)
+    output = output.to_global(sbp=moved_to(data_nd, 1))
     if weights is not None:
         weights = weights.to_global(sbp=data_nd)
     return output, weights

@@ -1,0 +1,122 @@
+"""torch's recurrent layers (`nn.LSTM`, `nn.GRU`, `nn.RNN`) on global tensors.
+
+- Their forward makes a missing initial state with `torch.zeros` of the batch's size, a
+  local tensor that a global input cannot mix with. `module.to_global` gives each of them
+  `zero_state`, a forward pre-hook that passes a global initial state instead: one
+  process's zeros, laid out as the batch (split on its batch dim where the input's batch
+  is split, else broadcast). It makes no collective.
+- torch's recurrent functions (`torch.lstm` and the like, which those modules call) are
+  row-wise in the batch: each sample's output and final state depend on its own input and
+  initial state alone. Op by op, though, they merge the sequence with the split batch
+  (`view(L * N, E)` for the input projection) or reach a kernel with no rule, which moves
+  the batch, so the data-parallel check (sbp.nn.fast_path) takes a call as a whole where
+  its tensors are laid out as the batch, runs it on the local tensors as the local run
+  will, and lays its outputs out as the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sbp import env
+from sbp.layout import GlobalSpec
+from sbp.nn.torch_attention import moved_to
+from sbp.signature import broadcast, is_all_broadcast, split
+from sbp.tensor import GlobalTensor
+
+CALLS = (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+_HOOKED = "_sbp_zero_state"  # the module attribute holding the hook's handle
+
+
+def attach(module: torch.nn.Module) -> None:
+    """Give each recurrent layer inside `module` the `zero_state` pre-hook, once."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.RNNBase) and _HOOKED not in m.__dict__:
+            handle = m.register_forward_pre_hook(zero_state, with_kwargs=True)
+            m.__dict__[_HOOKED] = handle
+
+
+def zero_state(module: torch.nn.RNNBase, args: tuple, kwargs: dict):
+    """A global input given no initial state gets one process's zeros, laid out as the
+    batch (torch's forward would make a local tensor of them)."""
+    input = args[0] if args else kwargs.get("input")
+    given = args[1] if len(args) > 1 else kwargs.get("hx")
+    if given is not None or not isinstance(input, GlobalTensor):
+        return None
+    batched = input.dim() == 3
+    batch_dim = 0 if module.batch_first else 1
+    layers = module.num_layers * (2 if module.bidirectional else 1)
+    size = (input.shape[batch_dim],) if batched else ()
+    out_size = module.proj_size or module.hidden_size
+    h = _zeros(input, (layers, *size, out_size), batch_dim if batched else None)
+    if isinstance(module, torch.nn.LSTM):
+        h = (h, _zeros(input, (layers, *size, module.hidden_size), batch_dim if batched else None))
+    if len(args) > 1:
+        return (args[0], h, *args[2:]), kwargs
+    return args, {**kwargs, "hx": h}
+
+
+def _zeros(input: GlobalTensor, shape: tuple, batch_dim: int | None) -> GlobalTensor:
+    """Zeros of `shape` (an initial state: its batch on dim 1), split on dim 1 where
+    `input` splits `batch_dim`, else broadcast."""
+    spec = input._spec
+    nd = tuple(split(1) if s.is_split and s.dim == batch_dim else broadcast for s in spec.nd_sbp)
+    state = GlobalSpec(spec.placement, nd, shape, spec.dtype)
+    local = torch.zeros(state.local_shape(env.get_rank()), dtype=spec.dtype)
+    return GlobalTensor(local.to(input._local.device), state)
+
+
+def _bound(args: tuple) -> tuple[torch.Tensor, list, bool, bool, bool] | None:
+    """(input, initial state tensors, dropout, train, batch_first) of a call on a padded
+    batch; None for a packed sequence (`torch.lstm(data, batch_sizes, ...)`)."""
+    if len(args) != 9 or not isinstance(args[3], bool):
+        return None
+    input, hx, _params, _bias, _layers, dropout, train, _bidirectional, batch_first = args
+    states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
+    return input, states, dropout, train, batch_first
+
+
+def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
+    """ "" where the call's local run on each rank's tensors gives that rank's rows of the
+    logical result; else why not. Decided from the layouts alone, alike on every rank."""
+    bound = None if kwargs else _bound(args)
+    if bound is None:
+        return "a packed sequence"
+    input, states, dropout, train, batch_first = bound
+    if dropout and train and args[4] > 1:
+        return "dropout between layers, drawn inside torch's recurrent kernel"
+    if not isinstance(input, GlobalTensor) or input.dim() != 3:
+        return "an unbatched input"
+    batch_dim = 0 if batch_first else 1
+    n = input.shape[batch_dim]
+    if tuple(input.sbp) != moved_to(data_nd, batch_dim):
+        return f"the input is laid out as {tuple(input.sbp)}"
+    for h in states:
+        if not isinstance(h, GlobalTensor) or tuple(h.sbp) != moved_to(data_nd, 1):
+            return "the initial state is not laid out as the batch"
+        if h.dim() != 3 or h.shape[1] != n:
+            return "the initial state is not of the batch's size"
+    for w in args[2]:
+        if not isinstance(w, GlobalTensor) or not is_all_broadcast(w.sbp):
+            return "a weight is not broadcast"
+    return ""
+
+
+def run_whole(func, args: tuple, kwargs: dict, data_nd: tuple) -> tuple:
+    """The call on this rank's local tensors, as the local run makes it (no collective, no
+    fallback); its result (output, then final states) laid out as the batch."""
+    input, hx, params, *rest = args
+    batch_dim = 0 if args[8] else 1
+    hx = [h._local for h in hx] if isinstance(hx, (tuple, list)) else hx._local
+    output, *states = func(input._local, hx, [w._local for w in params], *rest)
+    n = input.shape[batch_dim]
+    return (
+        _global(output, input, moved_to(data_nd, batch_dim), batch_dim, n),
+        *(_global(h, input, moved_to(data_nd, 1), 1, n) for h in states),
+    )
+
+
+def _global(local: torch.Tensor, input: GlobalTensor, nd: tuple, dim: int, n: int):
+    """`local`, this rank's rows of a result whose batch (of `n`) is on `dim`, as global."""
+    shape = (*local.shape[:dim], n, *local.shape[dim + 1 :])
+    return GlobalTensor(local, GlobalSpec(input._spec.placement, nd, shape, local.dtype))

@@ -1,0 +1,160 @@
+"""torch's recurrent layers (`nn.LSTM`, `nn.GRU`, `nn.RNN`) on global tensors
+(sbp.nn.torch_recurrent).
+
+Their forward makes a missing initial state as a local tensor; `module.to_global` gives
+them a global one. On the data-parallel fast path the check takes torch's recurrent call
+as a whole, so these models run on local shards. Each test trains on global tensors and in
+one process on the logical batch, float64 unless said.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+
+S0, B = sbp.split(0), sbp.broadcast
+E, H, L, CLASSES = 4, 5, 6, 3
+KINDS = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}
+
+
+class Recurrent(torch.nn.Module):
+    """A recurrent layer, then a head on its last output and its final state."""
+
+    def __init__(self, kind="lstm", batch_first=True, given_state=False, **options):
+        super().__init__()
+        self.rnn = KINDS[kind](E, H, num_layers=2, batch_first=batch_first, **options)
+        out = self.rnn.proj_size or H
+        self.head = torch.nn.Linear(out * (2 if self.rnn.bidirectional else 1), CLASSES)
+        self.given_state = given_state
+
+    def forward(self, x, h0=None):
+        """x: (N, L, E); h0: (N, layers, H). (The fast path takes inputs split on dim 0.)"""
+        x = x if self.rnn.batch_first else x.transpose(0, 1)
+        y, state = self.rnn(x, h0.transpose(0, 1)) if self.given_state else self.rnn(x)
+        h = state[0] if isinstance(state, tuple) else state
+        last = y[:, -1] if self.rnn.batch_first else y[-1]
+        return self.head(last) + h[-1].sum(-1, keepdim=True)
+
+
+def _data(n, steps=2, dtype=torch.float64):
+    g = torch.Generator().manual_seed(n)
+    return [
+        (
+            torch.randn(n, L, E, generator=g, dtype=dtype),
+            torch.randn(n, 2, H, generator=g, dtype=dtype),
+            torch.randint(0, CLASSES, (n,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _train(make, data, P=None, fast=True, dtype=torch.float64):
+    """Losses and parameters after SGD steps; with `P`, global (on the fast path, or op by
+    op with `fast=False`), with its paths."""
+    torch.manual_seed(0)
+    sbp.manual_seed(0)
+    model = make().to(dtype)
+    if P is not None:
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model, fast=fast)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, paths = [], []
+    for x, h0, y in data:
+        if P is not None:
+            x, h0, y = (sbp.tensor(t, placement=P, sbp=S0) for t in (x, h0, y))
+        loss = F.cross_entropy(model(x, h0), y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        if P is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+        losses.append(loss.item())
+    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
+    return losses, params, paths
+
+
+def _assert_trains_as_one_process(pool, make, n, fast=True, path="fast", **kw):
+    data = _data(n, **kw)
+    want_losses, want_params, _ = _train(make, data, **kw)
+    P = sbp.placement("cpu", list(range(pool.world_size)))
+    single = kw.get("dtype") == torch.float32  # (sums in another order: rounding)
+    rtol, atol = (1e-5, 1e-6) if single else (1e-10, 1e-12)
+    for losses, params, paths in pool.run(_train, make, data, P, fast, **kw):
+        assert paths == [path] * len(data)
+        assert losses == pytest.approx(want_losses, rel=rtol)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=rtol, atol=atol)
+
+
+MODELS = {
+    "lstm": Recurrent,
+    "gru-sequence-first": functools.partial(Recurrent, "gru", batch_first=False),
+    "rnn-relu-bidirectional": functools.partial(
+        Recurrent, "rnn", nonlinearity="relu", bidirectional=True
+    ),
+    "lstm-projected-bidirectional": functools.partial(Recurrent, proj_size=2, bidirectional=True),
+    "gru-given-state": functools.partial(Recurrent, "gru", given_state=True),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("n", [6, 7])
+def test_recurrent_layers_train_on_the_fast_path(pool2, name, n):
+    """Before: PlacementError ("mixes global tensors with a local torch.Tensor": the zero
+    state torch's forward makes), and under global_mode op by op, gathering the batch."""
+    _assert_trains_as_one_process(pool2, MODELS[name], n)
+
+
+@pytest.mark.parametrize("name", ["lstm", "gru-sequence-first"])
+def test_recurrent_layers_train_op_by_op(pool2, name):
+    """fast=False: torch's recurrent kernel falls back to broadcast inputs, exactly."""
+    _assert_trains_as_one_process(pool2, MODELS[name], 5, fast=False, path="per-op")
+
+
+def test_an_lstm_in_float32_and_a_rank_without_samples(pool4):
+    """float32 reaches mkldnn's kernel on the CPU; a batch of 3 over 4 ranks leaves one
+    rank an empty shard."""
+    _assert_trains_as_one_process(pool4, MODELS["lstm"], 3, dtype=torch.float32)
+
+
+def _dropout_run(data, fast):
+    P = sbp.placement("cpu", [0, 1])
+    return _train(functools.partial(Recurrent, dropout=0.5), data, P, fast)
+
+
+def test_dropout_between_layers_runs_op_by_op(pool2):
+    """torch draws the masks between layers inside its kernel, where the local run cannot
+    draw the op-by-op path's: the module runs op by op, as with fast=False."""
+    data = _data(6)
+    for (losses, params, paths), (want_losses, want_params, _) in zip(
+        pool2.run(_dropout_run, data, True), pool2.run(_dropout_run, data, False), strict=True
+    ):
+        assert paths == ["per-op"] * len(data)
+        assert losses == want_losses
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def _unbatched(x, h0):
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(E, H, num_layers=2).double().to_global(P, B)
+    out, (h, c) = lstm(sbp.tensor(x, placement=P, sbp=B))
+    given, _ = lstm(sbp.tensor(x, placement=P, sbp=B), tuple(sbp.tensor(t, P, B) for t in h0))
+    return [t.full_tensor() for t in (out, h, c, given)]
+
+
+def test_an_unbatched_sequence(pool2):
+    """A 2-d input (one sequence) gets a 2-d zero state, broadcast."""
+    x = torch.randn(L, E, dtype=torch.float64)
+    h0 = (torch.randn(2, H, dtype=torch.float64), torch.randn(2, H, dtype=torch.float64))
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(E, H, num_layers=2).double()
+    out, (h, c) = lstm(x)
+    want = [out, h, c, lstm(x, h0)[0]]
+    for got in pool2.run(_unbatched, x, h0):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
