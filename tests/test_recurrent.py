@@ -1,7 +1,7 @@
 """torch's recurrent layers (`nn.LSTM`, `nn.GRU`, `nn.RNN`) on global tensors
 (sbp.nn.torch_recurrent).
 
-Their forward makes a missing initial state as a local tensor; `module.to_global` gives
+Their forward (and their cells') makes a missing initial state as a local tensor; `module.to_global` gives
 them a global one. On the data-parallel fast path the check takes torch's recurrent call
 as a whole, so these models run on local shards. Each test trains on global tensors and in
 one process on the logical batch, float64 unless said.
@@ -37,6 +37,22 @@ class Recurrent(torch.nn.Module):
         h = state[0] if isinstance(state, tuple) else state
         last = y[:, -1] if self.rnn.batch_first else y[-1]
         return self.head(last) + h[-1].sum(-1, keepdim=True)
+
+
+class Cells(torch.nn.Module):
+    """An LSTM cell and a GRU cell stepped along the sequence by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.gru = torch.nn.LSTMCell(E, H), torch.nn.GRUCell(H, H)
+        self.head = torch.nn.Linear(H, CLASSES)
+
+    def forward(self, x, h0=None):
+        state, g = None, None
+        for t in range(x.shape[1]):
+            state = self.lstm(x[:, t], state)
+            g = self.gru(state[0], g)
+        return self.head(g)
 
 
 def _data(n, steps=2, dtype=torch.float64):
@@ -97,6 +113,7 @@ MODELS = {
     ),
     "lstm-projected-bidirectional": functools.partial(Recurrent, proj_size=2, bidirectional=True),
     "gru-given-state": functools.partial(Recurrent, "gru", given_state=True),
+    "cells": Cells,
 }
 
 
@@ -142,19 +159,23 @@ def _unbatched(x, h0):
     P = sbp.placement("cpu", [0, 1])
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(E, H, num_layers=2).double().to_global(P, B)
-    out, (h, c) = lstm(sbp.tensor(x, placement=P, sbp=B))
-    given, _ = lstm(sbp.tensor(x, placement=P, sbp=B), tuple(sbp.tensor(t, P, B) for t in h0))
-    return [t.full_tensor() for t in (out, h, c, given)]
+    cell = torch.nn.GRUCell(E, H).double().to_global(P, B)
+    gx = sbp.tensor(x, placement=P, sbp=B)
+    out, (h, c) = lstm(gx)
+    given, _ = lstm(gx, tuple(sbp.tensor(t, P, B) for t in h0))
+    return [t.full_tensor() for t in (out, h, c, given, cell(gx[0]))]
 
 
 def test_an_unbatched_sequence(pool2):
-    """A 2-d input (one sequence) gets a 2-d zero state, broadcast."""
+    """A 2-d input (one sequence) gets a 2-d zero state, broadcast; a cell's 1-d input
+    a 1-d one."""
     x = torch.randn(L, E, dtype=torch.float64)
     h0 = (torch.randn(2, H, dtype=torch.float64), torch.randn(2, H, dtype=torch.float64))
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(E, H, num_layers=2).double()
+    cell = torch.nn.GRUCell(E, H).double()
     out, (h, c) = lstm(x)
-    want = [out, h, c, lstm(x, h0)[0]]
+    want = [out, h, c, lstm(x, h0)[0], cell(x[0])]
     for got in pool2.run(_unbatched, x, h0):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
