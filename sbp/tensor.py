@@ -323,6 +323,18 @@ class GlobalTensor(torch.Tensor):
     def numpy(self, *, force: bool = False):
         return self.full_tensor().detach().cpu().numpy()
 
+    def storage(self):
+        """A global tensor has no one storage: each rank holds its part. Serializers that
+        read raw memory (safetensors, behind Hugging Face's `save_pretrained(d)`) ask for
+        it; they get a named error saying what to save instead, on every rank."""
+        raise InputTypeError(
+            "GlobalTensor.storage(): a global tensor has no single storage (each rank holds "
+            "its part): take t.to_local().storage() for this rank's, save plain tensors of "
+            "the logical values (sbp.checkpoint.full_state_dict(model, rank=0); Hugging Face: "
+            "model.save_pretrained(d, state_dict=sbp.checkpoint.full_state_dict(model, "
+            "rank=0))), or save shards with sbp.checkpoint.save"
+        )
+
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:
             return format(self.item(), spec)

@@ -601,3 +601,21 @@ def test_hugging_face_save_pretrained_of_a_global_model(pool2, tmp_path):
     want = _tiny_gpt2().state_dict()
     for key, value in back.state_dict().items():
         torch.testing.assert_close(value, want[key], rtol=0, atol=0)
+
+
+def _save_pretrained_without_state_dict(directory: str) -> str:
+    model = _tiny_gpt2().to_global(sbp.placement.all("cpu"), B)
+    try:
+        model.save_pretrained(directory)
+    except sbp.InputTypeError as e:
+        return str(e)
+    return "saved"
+
+
+def test_hugging_face_save_pretrained_without_state_dict_names_the_way(pool2, tmp_path):
+    """safetensors reads a tensor's storage, which a global tensor has not (before: a raw
+    RuntimeError, "invalid python storage"): a named error on every rank, with the way."""
+    pytest.importorskip("transformers")
+    for message in pool2.run(_save_pretrained_without_state_dict, str(tmp_path), timeout=300):
+        assert "save_pretrained(d, state_dict=sbp.checkpoint.full_state_dict" in message
+    assert not list(tmp_path.glob("*.safetensors"))
