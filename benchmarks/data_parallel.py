@@ -1,7 +1,8 @@
 """Data-parallel training: global tensors vs torch DDP, same machine, same run.
 
 mobilenet_v2 (10 classes; `--model vit`: a small vision transformer; `--model lstm`: a
-2-layer LSTM reading each image row by row) on 3x32x32, SGD with momentum, a batch of
+2-layer LSTM reading each image row by row; `--model bags`: an EmbeddingBag of ids
+quantised from the image) on 3x32x32, SGD with momentum, a batch of
 `--batch` per rank.
 Each method trains its own copy of the model from the same initial weights on the same
 data; the methods take turns step by step (a barrier before each step, the slowest rank's
@@ -68,6 +69,24 @@ class RowLSTM(torch.nn.Module):
         return self.head(out[:, -1])
 
 
+class TokenBags(torch.nn.Module):
+    """A bag-of-words classifier: each image's first row of 3 x 32 values quantised to 96
+    ids of a 2000-word vocabulary, their mean embedding (`nn.EmbeddingBag`, width 64),
+    then a 2-layer MLP head."""
+
+    def __init__(self, words: int = 2000, width: int = 64, num_classes: int = 10):
+        super().__init__()
+        self.words = words
+        self.bag = torch.nn.EmbeddingBag(words, width, mode="mean")
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(width, 128), torch.nn.ReLU(), torch.nn.Linear(128, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = ((x[:, :, 0].flatten(1) + 4) * self.words / 8).long().clamp(0, self.words - 1)
+        return self.head(self.bag(ids))
+
+
 # --model: (what the JSON calls it, its constructor (a torchvision name or a class) and
 # arguments)
 MODELS = {
@@ -82,6 +101,7 @@ MODELS = {
         ),
     ),
     "lstm": ("RowLSTM(96 -> 128, 2 layers, 10 classes)", RowLSTM, {}),
+    "bags": ("TokenBags(2000 words, EmbeddingBag width 64, MLP 128, 10 classes)", TokenBags, {}),
 }  # fmt: skip
 
 

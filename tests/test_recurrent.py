@@ -92,8 +92,9 @@ def _train(make, data, P=None, fast=True, dtype=torch.float64):
     return losses, params, paths
 
 
-def _assert_trains_as_one_process(pool, make, n, fast=True, path="fast", **kw):
-    data = _data(n, **kw)
+def _assert_trains_as_one_process(pool, make, n, fast=True, path="fast", data=None, **kw):
+    """`data`: batches of (input, second input, labels); else `_data(n)`'s."""
+    data = _data(n, **kw) if data is None else data
     want_losses, want_params, _ = _train(make, data, **kw)
     P = sbp.placement("cpu", list(range(pool.world_size)))
     single = kw.get("dtype") == torch.float32  # (sums in another order: rounding)

@@ -60,6 +60,7 @@ from sbp.nn import (
     row_wise_calls,
     shard_batch_norm,
     torch_attention,
+    torch_embedding_bag,
     torch_recurrent,
 )
 from sbp.nn.names_replaced import NamesReplaced
@@ -286,7 +287,8 @@ class _Check:
 
     def whole_call(self, kind, func, args: tuple, kwargs: dict) -> Any:
         """A torch function that is row-wise in the batch (multi-head attention,
-        sbp.nn.torch_attention; a recurrent layer, sbp.nn.torch_recurrent), taken as a whole
+        sbp.nn.torch_attention; a recurrent layer, sbp.nn.torch_recurrent; an embedding
+        bag, sbp.nn.torch_embedding_bag), taken as a whole
         where its tensors are laid out as the batch: nothing inside is judged; else its ops
         are."""
         if kind.why_not_row_wise(args, kwargs, self.data_nd):
@@ -357,13 +359,13 @@ def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
 
 
 class _WholeCalls(TorchFunctionMode):
-    """In the checking pass, torch's attention and recurrent functions as called:
+    """In the checking pass, torch's functions that are row-wise in the batch, as called:
     - `F.scaled_dot_product_attention` with dropout (`dropout_p`) off the CPU draws its
       masks inside torch's fused kernel, where the local run cannot draw the op-by-op
       path's masks, so the module runs op by op. On the CPU torch computes it as a
       composite whose `bernoulli_` the check sees (`_Run.attention`);
-    - `F.multi_head_attention_forward` and torch's recurrent functions (`torch.lstm`, ...)
-      are taken as a whole (`_Check.whole_call`)."""
+    - `F.multi_head_attention_forward`, torch's recurrent functions (`torch.lstm`, ...) and
+      `F.embedding_bag` are taken as a whole (`_Check.whole_call`)."""
 
     def __init__(self, check: _Check):
         super().__init__()
@@ -379,6 +381,8 @@ class _WholeCalls(TorchFunctionMode):
             return self.check.whole_call(torch_attention, func, args, kwargs)
         if func in torch_recurrent.CALLS:
             return self.check.whole_call(torch_recurrent, func, args, kwargs)
+        if func in torch_embedding_bag.CALLS:
+            return self.check.whole_call(torch_embedding_bag, func, args, kwargs)
         return func(*args, **kwargs)
 
 
