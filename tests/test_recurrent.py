@@ -8,6 +8,7 @@ one process on the logical batch, float64 unless said.
 """
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -23,9 +24,9 @@ KINDS = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}
 class Recurrent(torch.nn.Module):
     """A recurrent layer, then a head on its last output and its final state."""
 
-    def __init__(self, kind="lstm", batch_first=True, given_state=False, **options):
+    def __init__(self, kind="lstm", batch_first=True, given_state=False, layers=2, **options):
         super().__init__()
-        self.rnn = KINDS[kind](E, H, num_layers=2, batch_first=batch_first, **options)
+        self.rnn = KINDS[kind](E, H, num_layers=layers, batch_first=batch_first, **options)
         out = self.rnn.proj_size or H
         self.head = torch.nn.Linear(out * (2 if self.rnn.bidirectional else 1), CLASSES)
         self.given_state = given_state
@@ -140,16 +141,21 @@ def test_an_lstm_in_float32_and_a_rank_without_samples(pool4):
 
 def _dropout_run(data, fast):
     P = sbp.placement("cpu", [0, 1])
-    return _train(functools.partial(Recurrent, dropout=0.5), data, P, fast)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = _train(functools.partial(Recurrent, dropout=0.5), data, P, fast)
+    return result, [str(w.message) for w in seen if "runs op by op" in str(w.message)]
 
 
 def test_dropout_between_layers_runs_op_by_op(pool2):
     """torch draws the masks between layers inside its kernel, where the local run cannot
-    draw the op-by-op path's: the module runs op by op, as with fast=False."""
+    draw the op-by-op path's: the module runs op by op, as with fast=False, and the
+    warning says why (before: only the op inside that moved)."""
     data = _data(6)
-    for (losses, params, paths), (want_losses, want_params, _) in zip(
+    for ((losses, params, paths), said), ((want_losses, want_params, _), _) in zip(
         pool2.run(_dropout_run, data, True), pool2.run(_dropout_run, data, False), strict=True
     ):
+        assert len(said) == 1 and "lstm is not taken whole (dropout between layers" in said[0]
         assert paths == ["per-op"] * len(data)
         assert losses == want_losses
         for got, ref in zip(params, want_params, strict=True):
@@ -180,3 +186,43 @@ def test_an_unbatched_sequence(pool2):
     for got in pool2.run(_unbatched, x, h0):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _flatten_like_cudnn(rnn: torch.nn.RNNBase) -> None:
+    """What `flatten_parameters` does on cuDNN, on the CPU: the weights are copied into one
+    buffer and each set to its part of it (plain tensors only, as cuDNN's check of data
+    pointers leaves global ones be)."""
+    weights = rnn._flat_weights
+    if any(isinstance(w, sbp.GlobalTensor) for w in weights):
+        return
+    with torch.no_grad():
+        flat = torch.cat([w.reshape(-1) for w in weights])
+        start = 0
+        for w in weights:
+            w.set_(flat[start : start + w.numel()].view_as(w))
+            start += w.numel()
+
+
+def _train_flattening(make, data, P=None):
+    saved = torch.nn.RNNBase.flatten_parameters
+    torch.nn.RNNBase.flatten_parameters = _flatten_like_cudnn
+    try:
+        return _train(make, data, P)
+    finally:
+        torch.nn.RNNBase.flatten_parameters = saved
+
+
+def test_the_local_run_keeps_torch_from_flattening_its_weights(pool2):
+    """torch's forward takes weights in the module's tables that differ from the ones it
+    last saw as new, and flattens them (cuDNN: into a new buffer). The local run's leaves
+    must stay the parameters' memory (before, simulated: the second step ran on the first
+    step's weights, silently)."""
+    make = functools.partial(Recurrent, "lstm", layers=1)
+    data = _data(6, steps=3)
+    want_losses, want_params, _ = _train_flattening(make, data)
+    P = sbp.placement("cpu", [0, 1])
+    for losses, params, paths in pool2.run(_train_flattening, make, data, P):
+        assert paths == ["fast"] * len(data)
+        assert losses == pytest.approx(want_losses, rel=1e-10)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

@@ -38,6 +38,7 @@ import itertools
 import threading
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -291,8 +292,15 @@ class _Check:
         bag, sbp.nn.torch_embedding_bag), taken as a whole
         where its tensors are laid out as the batch: nothing inside is judged; else its ops
         are."""
-        if kind.why_not_row_wise(args, kwargs, self.data_nd):
-            return func(*args, **kwargs)
+        why = kind.why_not_row_wise(args, kwargs, self.data_nd)
+        if why:
+            before = self.reason
+            out = func(*args, **kwargs)
+            if self.reason and not before:  # (an op inside failed: say why the whole did)
+                self.reason = (
+                    f"{getattr(func, '__name__', func)} is not taken whole ({why}): {self.reason}"
+                )
+            return out
         self.whole_calls += 1
         try:
             return kind.run_whole(func, args, kwargs, self.data_nd)
@@ -901,18 +909,23 @@ class _Slots:
         tables)."""
         for table, name, local in zip(self.tables, self.names, self.local, strict=True):
             table[name] = local
-        flat = [(m, m._flat_weights) for m in recurrent]
-        for m, weights in flat:
-            m.__dict__["_flat_weights"] = [
-                self._leaves[id(w)][1] if id(w) in self._leaves else w for w in weights
-            ]
+        flat = [(m, m._flat_weights, getattr(m, "_flat_weight_refs", None)) for m in recurrent]
+        for m, weights, _ in flat:
+            local = [self._leaves[id(w)][1] if id(w) in self._leaves else w for w in weights]
+            m.__dict__["_flat_weights"] = local
+            # (and the references torch compares with the tables: else its forward takes
+            # the tables' leaves as new weights and flattens them, which on cuDNN moves them
+            # into a new buffer, apart from the parameters' memory)
+            m.__dict__["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in local]
         try:
             yield
         finally:
             for table, name, t in zip(self.tables, self.names, self.tensors, strict=True):
                 table[name] = t
-            for m, weights in flat:
+            for m, weights, refs in flat:
                 m.__dict__["_flat_weights"] = weights
+                if refs is not None:
+                    m.__dict__["_flat_weight_refs"] = refs
 
 
 def _is_constant(value: Any) -> bool:
