@@ -6,9 +6,9 @@ import functools
 
 import pytest
 import torch
-from test_recurrent import CLASSES, _assert_trains_as_one_process
+from fast_path_training import assert_trains_as_one_process
 
-WORDS, DIM, L = 11, 4, 3
+WORDS, DIM, L, CLASSES = 11, 4, 3, 3
 
 
 class Bags(torch.nn.Module):
@@ -48,10 +48,10 @@ MODELS = {
 def test_embedding_bags_train_on_the_fast_path(pool2, name, n):
     """Before: op by op ("aten._embedding_bag.default has no SBP rule"), gathering the
     batch."""
-    _assert_trains_as_one_process(pool2, MODELS[name], n, data=_data(n))
+    assert_trains_as_one_process(pool2, MODELS[name], _data(n))
 
 
 def test_frequency_scaled_bags_run_op_by_op(pool2):
     """scale_grad_by_freq counts each id over the whole batch: not row-wise."""
     make = functools.partial(Bags, scale_grad_by_freq=True)
-    _assert_trains_as_one_process(pool2, make, 6, path="per-op", data=_data(6))
+    assert_trains_as_one_process(pool2, make, _data(6), path="per-op")

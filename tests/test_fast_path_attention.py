@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
+from fast_path_training import train
 
 import sbp
 
@@ -101,35 +101,6 @@ def _data(n: int, steps: int = 3):
     return batches
 
 
-def _train(make, data, P=None, training=True, fast=True):
-    """Losses and parameters after SGD steps; with `P`, global, on the fast path (or op by
-    op, `fast=False`), with its paths."""
-    torch.manual_seed(0)
-    sbp.manual_seed(0)  # (dropout masks: the same draws for every run in this process)
-    model = make().double().train(training)
-    if P is not None:
-        model.to_global(P, B)
-        sbp.nn.data_parallel(model, fast=fast)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses, paths = [], []
-    for x, pad, y in data:
-        if P is not None:
-            x, pad, y = (sbp.tensor(t, placement=P, sbp=S0) for t in (x, pad, y))
-        if training:
-            loss = F.cross_entropy(model(x, pad), y)
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-        else:
-            with torch.no_grad():
-                loss = F.cross_entropy(model(x, pad), y)
-        if P is not None:
-            paths.append(sbp.nn.fast_path.state(model).last_path)
-        losses.append(loss.item())
-    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
-    return losses, params, paths
-
-
 MODELS = {
     "batch-first": Attention,
     "sequence-first": functools.partial(Attention, batch_first=False),
@@ -154,9 +125,9 @@ CASES = [(name, 6) for name in MODELS] + [
 def test_torch_attention_trains_on_the_fast_path(pool2, name, n):
     """Before: op by op ("aten.view.default needs its inputs moved")."""
     data = _data(n)
-    want_losses, want_params, _ = _train(MODELS[name], data)
+    want_losses, want_params, _ = train(MODELS[name], data)
     P = sbp.placement("cpu", [0, 1])
-    for losses, params, paths in pool2.run(_train, MODELS[name], data, P):
+    for losses, params, paths in pool2.run(train, MODELS[name], data, P):
         assert paths == ["fast"] * len(data)
         assert losses == pytest.approx(want_losses, rel=1e-12)
         for got, ref in zip(params, want_params, strict=True):
@@ -167,9 +138,9 @@ def test_torch_attention_in_eval_mode(pool2):
     """Without grad, in eval mode, the local run takes torch's fused attention
     (`_native_multi_head_attention`); the check ran the composite."""
     data = _data(6)
-    want_losses, _, _ = _train(Encoder, data, training=False)
+    want_losses, _, _ = train(Encoder, data, training=False)
     P = sbp.placement("cpu", [0, 1])
-    for losses, _, paths in pool2.run(_train, Encoder, data, P, False):
+    for losses, _, paths in pool2.run(train, Encoder, data, P, False):
         assert paths == ["fast"] * len(data)
         assert losses == pytest.approx(want_losses, rel=1e-10)
 
@@ -178,9 +149,9 @@ def test_attention_the_check_refuses_runs_op_by_op(pool2):
     """Key and value not laid out as the batch (a memory expanded to it): the call is judged
     op by op, which moves its tensors, and the module runs op by op, as one process."""
     data = _data(6)
-    want_losses, want_params, _ = _train(ToMemory, data)
+    want_losses, want_params, _ = train(ToMemory, data)
     P = sbp.placement("cpu", [0, 1])
-    for losses, params, paths in pool2.run(_train, ToMemory, data, P):
+    for losses, params, paths in pool2.run(train, ToMemory, data, P):
         assert paths == ["per-op"] * len(data)
         assert losses == pytest.approx(want_losses, rel=1e-12)
         for got, ref in zip(params, want_params, strict=True):
@@ -224,7 +195,7 @@ def test_dropout_inside_torch_attention(pool2, name, n):
     data = _data(n)
     P = sbp.placement("cpu", [0, 1])
     make = DROPOUT_MODELS[name]
-    fast, slow = pool2.run(_train, make, data, P), pool2.run(_train, make, data, P, True, False)
+    fast, slow = pool2.run(train, make, data, P), pool2.run(train, make, data, P, True, False)
     for (losses, params, paths), (want_losses, want_params, _) in zip(fast, slow, strict=True):
         assert paths == ["fast" if n == 6 else "per-op"] * len(data)
         assert losses == pytest.approx(want_losses, rel=1e-12)
@@ -238,8 +209,8 @@ def test_vit_in_a_world_of_one(pool1):
     check takes them as laid out alike (before: op by op, "aten.cat.default needs its
     inputs moved")."""
     data = _data(4)
-    want_losses, want_params, _ = _train(ViT, data)
-    for losses, params, paths in pool1.run(_train, ViT, data, sbp.placement("cpu", [0])):
+    want_losses, want_params, _ = train(ViT, data)
+    for losses, params, paths in pool1.run(train, ViT, data, sbp.placement("cpu", [0])):
         assert paths == ["fast"] * len(data)
         assert losses == pytest.approx(want_losses, rel=1e-12)
         for got, ref in zip(params, want_params, strict=True):
@@ -254,7 +225,7 @@ def test_transformer_layers_with_dropout_take_the_fast_path(pool2):
     module op by op had a mask differed."""
     data = _data(6)
     make = functools.partial(Encoder, dropout=0.3)
-    for losses, _, paths in pool2.run(_train, make, data, sbp.placement("cpu", [0, 1])):
+    for losses, _, paths in pool2.run(train, make, data, sbp.placement("cpu", [0, 1])):
         assert paths == ["fast"] * len(data)
         assert all(0 < loss < 10 for loss in losses)
 

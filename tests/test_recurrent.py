@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from fast_path_training import assert_trains_as_one_process, train
 
 import sbp
 
-S0, B = sbp.split(0), sbp.broadcast
+B = sbp.broadcast
 E, H, L, CLASSES = 4, 5, 6, 3
 KINDS = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}
 
@@ -68,45 +68,6 @@ def _data(n, steps=2, dtype=torch.float64):
     ]
 
 
-def _train(make, data, P=None, fast=True, dtype=torch.float64):
-    """Losses and parameters after SGD steps; with `P`, global (on the fast path, or op by
-    op with `fast=False`), with its paths."""
-    torch.manual_seed(0)
-    sbp.manual_seed(0)
-    model = make().to(dtype)
-    if P is not None:
-        model.to_global(P, B)
-        sbp.nn.data_parallel(model, fast=fast)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses, paths = [], []
-    for x, h0, y in data:
-        if P is not None:
-            x, h0, y = (sbp.tensor(t, placement=P, sbp=S0) for t in (x, h0, y))
-        loss = F.cross_entropy(model(x, h0), y)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        if P is not None:
-            paths.append(sbp.nn.fast_path.state(model).last_path)
-        losses.append(loss.item())
-    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
-    return losses, params, paths
-
-
-def _assert_trains_as_one_process(pool, make, n, fast=True, path="fast", data=None, **kw):
-    """`data`: batches of (input, second input, labels); else `_data(n)`'s."""
-    data = _data(n, **kw) if data is None else data
-    want_losses, want_params, _ = _train(make, data, **kw)
-    P = sbp.placement("cpu", list(range(pool.world_size)))
-    single = kw.get("dtype") == torch.float32  # (sums in another order: rounding)
-    rtol, atol = (1e-5, 1e-6) if single else (1e-10, 1e-12)
-    for losses, params, paths in pool.run(_train, make, data, P, fast, **kw):
-        assert paths == [path] * len(data)
-        assert losses == pytest.approx(want_losses, rel=rtol)
-        for got, ref in zip(params, want_params, strict=True):
-            torch.testing.assert_close(got, ref, rtol=rtol, atol=atol)
-
-
 MODELS = {
     "lstm": Recurrent,
     "gru-sequence-first": functools.partial(Recurrent, "gru", batch_first=False),
@@ -124,26 +85,27 @@ MODELS = {
 def test_recurrent_layers_train_on_the_fast_path(pool2, name, n):
     """Before: PlacementError ("mixes global tensors with a local torch.Tensor": the zero
     state torch's forward makes), and under global_mode op by op, gathering the batch."""
-    _assert_trains_as_one_process(pool2, MODELS[name], n)
+    assert_trains_as_one_process(pool2, MODELS[name], _data(n))
 
 
 @pytest.mark.parametrize("name", ["lstm", "gru-sequence-first"])
 def test_recurrent_layers_train_op_by_op(pool2, name):
     """fast=False: torch's recurrent kernel falls back to broadcast inputs, exactly."""
-    _assert_trains_as_one_process(pool2, MODELS[name], 5, fast=False, path="per-op")
+    assert_trains_as_one_process(pool2, MODELS[name], _data(5), fast=False, path="per-op")
 
 
 def test_an_lstm_in_float32_and_a_rank_without_samples(pool4):
     """float32 reaches mkldnn's kernel on the CPU; a batch of 3 over 4 ranks leaves one
     rank an empty shard."""
-    _assert_trains_as_one_process(pool4, MODELS["lstm"], 3, dtype=torch.float32)
+    data = _data(3, dtype=torch.float32)
+    assert_trains_as_one_process(pool4, MODELS["lstm"], data, dtype=torch.float32)
 
 
 def _dropout_run(data, fast):
     P = sbp.placement("cpu", [0, 1])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        result = _train(functools.partial(Recurrent, dropout=0.5), data, P, fast)
+        result = train(functools.partial(Recurrent, dropout=0.5), data, P, fast=fast)
     return result, [str(w.message) for w in seen if "runs op by op" in str(w.message)]
 
 
@@ -207,7 +169,7 @@ def _train_flattening(make, data, P=None):
     saved = torch.nn.RNNBase.flatten_parameters
     torch.nn.RNNBase.flatten_parameters = _flatten_like_cudnn
     try:
-        return _train(make, data, P)
+        return train(make, data, P)
     finally:
         torch.nn.RNNBase.flatten_parameters = saved
 
