@@ -42,13 +42,14 @@ def train(make, data, P=None, training=True, fast=True, dtype=torch.float64):
     return losses, params, paths
 
 
-def assert_trains_as_one_process(pool, make, data, fast=True, path="fast", **kw):
-    """Every rank of `pool` trains `make()` on `data` as one process does (on `path`)."""
-    want_losses, want_params, _ = train(make, data, **kw)
+def assert_trains_as_one_process(pool, make, data, fast=True, path="fast", trainer=train, **kw):
+    """Every rank of `pool` trains `make()` on `data` as one process does (on `path`);
+    `trainer`: `train`, or a function that calls it under some condition."""
+    want_losses, want_params, _ = trainer(make, data, **kw)
     P = sbp.placement("cpu", list(range(pool.world_size)))
     single = kw.get("dtype") == torch.float32  # (sums in another order: rounding)
     rtol, atol = (1e-5, 1e-6) if single else (1e-10, 1e-12)
-    for losses, params, paths in pool.run(train, make, data, P, fast=fast, **kw):
+    for losses, params, paths in pool.run(trainer, make, data, P, fast=fast, **kw):
         assert paths == [path] * len(data)
         assert losses == pytest.approx(want_losses, rel=rtol)
         for got, ref in zip(params, want_params, strict=True):

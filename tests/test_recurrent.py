@@ -165,11 +165,11 @@ def _flatten_like_cudnn(rnn: torch.nn.RNNBase) -> None:
             start += w.numel()
 
 
-def _train_flattening(make, data, P=None):
+def _train_flattening(make, data, P=None, **kw):
     saved = torch.nn.RNNBase.flatten_parameters
     torch.nn.RNNBase.flatten_parameters = _flatten_like_cudnn
     try:
-        return train(make, data, P)
+        return train(make, data, P, **kw)
     finally:
         torch.nn.RNNBase.flatten_parameters = saved
 
@@ -180,11 +180,4 @@ def test_the_local_run_keeps_torch_from_flattening_its_weights(pool2):
     must stay the parameters' memory (before, simulated: the second step ran on the first
     step's weights, silently)."""
     make = functools.partial(Recurrent, "lstm", layers=1)
-    data = _data(6, steps=3)
-    want_losses, want_params, _ = _train_flattening(make, data)
-    P = sbp.placement("cpu", [0, 1])
-    for losses, params, paths in pool2.run(_train_flattening, make, data, P):
-        assert paths == ["fast"] * len(data)
-        assert losses == pytest.approx(want_losses, rel=1e-10)
-        for got, ref in zip(params, want_params, strict=True):
-            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    assert_trains_as_one_process(pool2, make, _data(6, steps=3), trainer=_train_flattening)
