@@ -287,11 +287,10 @@ class _Check:
             self.by_name_dropouts += bool(self.attention_depth)
 
     def whole_call(self, kind, func, args: tuple, kwargs: dict) -> Any:
-        """A torch function that is row-wise in the batch (multi-head attention,
-        sbp.nn.torch_attention; a recurrent layer, sbp.nn.torch_recurrent; an embedding
-        bag, sbp.nn.torch_embedding_bag), taken as a whole
-        where its tensors are laid out as the batch: nothing inside is judged; else its ops
-        are."""
+        """A torch function that is row-wise in the batch (`_WHOLE_CALLS`: multi-head
+        attention, recurrent layers, embedding bags), taken as a whole where its tensors
+        are laid out as the batch: nothing inside is judged; else its ops are, and a
+        failure among them says why the whole was not taken."""
         why = kind.why_not_row_wise(args, kwargs, self.data_nd)
         if why:
             before = self.reason
@@ -366,6 +365,15 @@ def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
     )
 
 
+# torch's functions that are row-wise in the batch, each with the module that judges a call
+# of it whole and runs it (`why_not_row_wise`, `run_whole`)
+_WHOLE_CALLS = {
+    func: kind
+    for kind in (torch_attention, torch_recurrent, torch_embedding_bag)
+    for func in kind.CALLS
+}
+
+
 class _WholeCalls(TorchFunctionMode):
     """In the checking pass, torch's functions that are row-wise in the batch, as called:
     - `F.scaled_dot_product_attention` with dropout (`dropout_p`) off the CPU draws its
@@ -385,12 +393,9 @@ class _WholeCalls(TorchFunctionMode):
             p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             if p and args[0].device.type != "cpu":
                 self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
-        if func is torch_attention.ATTENTION:
-            return self.check.whole_call(torch_attention, func, args, kwargs)
-        if func in torch_recurrent.CALLS:
-            return self.check.whole_call(torch_recurrent, func, args, kwargs)
-        if func in torch_embedding_bag.CALLS:
-            return self.check.whole_call(torch_embedding_bag, func, args, kwargs)
+        kind = _WHOLE_CALLS.get(func)
+        if kind is not None:
+            return self.check.whole_call(kind, func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from sbp.layout import GlobalSpec
-from sbp.signature import is_all_broadcast, split
+from sbp.nn.batch_rows import moved_to
+from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor
 
 ATTENTION = F.multi_head_attention_forward
+CALLS = (ATTENTION,)
 
 # the tensors of a call: sequence-first (L, N, E), per sample (N, S), per sample and head
 # (N * heads, ...); any other tensor (weights, biases, a 2-d mask) is taken whole
@@ -35,11 +37,6 @@ _PER_HEAD = ("attn_mask", "static_k", "static_v")
 @functools.cache
 def _signature() -> inspect.Signature:
     return inspect.signature(ATTENTION)
-
-
-def moved_to(data_nd: tuple, dim: int) -> tuple:
-    """The batch's layout with its splits moved to `dim`."""
-    return tuple(split(dim) if s.is_split else s for s in data_nd)
 
 
 def _whole_samples(query: GlobalSpec, heads: int, rows: int, data_nd: tuple) -> bool:

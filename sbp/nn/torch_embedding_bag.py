@@ -18,7 +18,7 @@ import inspect
 
 import torch.nn.functional as F
 
-from sbp.layout import GlobalSpec
+from sbp.nn.batch_rows import rows_as_global
 from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor
 
@@ -62,6 +62,4 @@ def run_whole(func, args: tuple, kwargs: dict, data_nd: tuple) -> GlobalTensor:
     bound = _signature().bind(*args, **kwargs)
     input = bound.arguments["input"]
     local = {k: v._local if isinstance(v, GlobalTensor) else v for k, v in bound.arguments.items()}
-    out = func(**local)
-    shape = (input.shape[0], *out.shape[1:])
-    return GlobalTensor(out, GlobalSpec(input._spec.placement, data_nd, shape, out.dtype))
+    return rows_as_global(func(**local), input.placement, data_nd, 0, input.shape[0])

@@ -17,11 +17,13 @@ tensors.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 from sbp import env
 from sbp.layout import GlobalSpec
-from sbp.nn.torch_attention import moved_to
+from sbp.nn.batch_rows import moved_to, rows_as_global
 from sbp.signature import broadcast, is_all_broadcast, split
 from sbp.tensor import GlobalTensor
 
@@ -74,37 +76,52 @@ def _zeros(input: GlobalTensor, shape: tuple, batch_dim: int | None, at: int) ->
     return GlobalTensor(local.to(input._local.device), state)
 
 
-def _bound(args: tuple) -> tuple[torch.Tensor, list, bool, bool, bool] | None:
-    """(input, initial state tensors, dropout, train, batch_first) of a call on a padded
-    batch; None for a packed sequence (`torch.lstm(data, batch_sizes, ...)`)."""
-    if len(args) != 9 or not isinstance(args[3], bool):
-        return None
-    input, hx, _params, _bias, _layers, dropout, train, _bidirectional, batch_first = args
-    states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
-    return input, states, dropout, train, batch_first
+class _Padded(NamedTuple):
+    """The arguments of `torch.lstm` and its kin on a padded batch (not a packed one)."""
+
+    input: Any
+    hx: Any  # a tensor, or a list of them (LSTM's h and c)
+    params: list
+    has_biases: bool
+    num_layers: int
+    dropout: float
+    train: bool
+    bidirectional: bool
+    batch_first: bool
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> _Padded | None:
+        """None for a packed sequence (`torch.lstm(data, batch_sizes, ...)`)."""
+        if kwargs or len(args) != 9 or not isinstance(args[3], bool):
+            return None
+        return cls(*args)
+
+    @property
+    def states(self) -> list:
+        return list(self.hx) if isinstance(self.hx, (tuple, list)) else [self.hx]
 
 
 def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
     """ "" where the call's local run on each rank's tensors gives that rank's rows of the
     logical result; else why not. Decided from the layouts alone, alike on every rank."""
-    bound = None if kwargs else _bound(args)
-    if bound is None:
+    call = _Padded.of(args, kwargs)
+    if call is None:
         return "a packed sequence"
-    input, states, dropout, train, batch_first = bound
-    if dropout and train and args[4] > 1:
+    if call.dropout and call.train and call.num_layers > 1:
         return "dropout between layers, drawn inside torch's recurrent kernel"
+    input = call.input
     if not isinstance(input, GlobalTensor) or input.dim() != 3:
         return "an unbatched input"
-    batch_dim = 0 if batch_first else 1
+    batch_dim = 0 if call.batch_first else 1
     n = input.shape[batch_dim]
     if tuple(input.sbp) != moved_to(data_nd, batch_dim):
         return f"the input is laid out as {tuple(input.sbp)}"
-    for h in states:
+    for h in call.states:
         if not isinstance(h, GlobalTensor) or tuple(h.sbp) != moved_to(data_nd, 1):
             return "the initial state is not laid out as the batch"
         if h.dim() != 3 or h.shape[1] != n:
             return "the initial state is not of the batch's size"
-    for w in args[2]:
+    for w in call.params:
         if not isinstance(w, GlobalTensor) or not is_all_broadcast(w.sbp):
             return "a weight is not broadcast"
     return ""
@@ -113,18 +130,14 @@ def why_not_row_wise(args: tuple, kwargs: dict, data_nd: tuple) -> str:
 def run_whole(func, args: tuple, kwargs: dict, data_nd: tuple) -> tuple:
     """The call on this rank's local tensors, as the local run makes it (no collective, no
     fallback); its result (output, then final states) laid out as the batch."""
-    input, hx, params, *rest = args
-    batch_dim = 0 if args[8] else 1
+    call = _Padded(*args)
+    hx = call.hx
     hx = [h._local for h in hx] if isinstance(hx, (tuple, list)) else hx._local
-    output, *states = func(input._local, hx, [w._local for w in params], *rest)
-    n = input.shape[batch_dim]
+    local = call._replace(input=call.input._local, hx=hx, params=[w._local for w in call.params])
+    output, *states = func(*local)
+    batch_dim = 0 if call.batch_first else 1
+    placement, n = call.input.placement, call.input.shape[batch_dim]
     return (
-        _global(output, input, moved_to(data_nd, batch_dim), batch_dim, n),
-        *(_global(h, input, moved_to(data_nd, 1), 1, n) for h in states),
+        rows_as_global(output, placement, moved_to(data_nd, batch_dim), batch_dim, n),
+        *(rows_as_global(h, placement, moved_to(data_nd, 1), 1, n) for h in states),
     )
-
-
-def _global(local: torch.Tensor, input: GlobalTensor, nd: tuple, dim: int, n: int):
-    """`local`, this rank's rows of a result whose batch (of `n`) is on `dim`, as global."""
-    shape = (*local.shape[:dim], n, *local.shape[dim + 1 :])
-    return GlobalTensor(local, GlobalSpec(input._spec.placement, nd, shape, local.dtype))
