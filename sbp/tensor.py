@@ -818,31 +818,40 @@ def _check_agreement(extra: dict[int, tuple[int, ...]], P: Placement, sbp: Any) 
                 )
 
 
-def _logical_shape(shapes: dict[int, tuple[int, ...]], P: Placement, nd: NdSbp) -> tuple[int, ...]:
-    """Logical shape from every placement rank's local shape; checks they fit the balanced layout."""
-    ordered = [shapes[r] for r in P.flat_ranks]
-    if len({len(s) for s in ordered}) != 1:
-        raise MetaMismatchError(
-            f"to_global: ranks {list(P.flat_ranks)} pass local tensors of different ndim: {ordered}"
+@functools.lru_cache(maxsize=256)
+def _agreed_layout(
+    ordered: tuple[tuple[int, ...], ...], P: Placement, nd: NdSbp, shape: tuple[int, ...] | None
+) -> tuple[NdSbp, tuple[int, ...]]:
+    """The sbp (split dims normalised) and logical shape that every placement rank's local
+    shape (`ordered`, in flat rank order) fits, checked against the balanced layout.
+
+    Cached: a training loop passes batches of the same shapes step after step, and the
+    check walks every rank's layout (a failed check raises and is not cached)."""
+    if shape is not None:
+        logical = shape
+    elif any(s.is_split for s in nd):
+        if len({len(s) for s in ordered}) != 1:
+            raise MetaMismatchError(
+                f"to_global: ranks {list(P.flat_ranks)} pass local tensors of different ndim: "
+                f"{list(ordered)}"
+            )
+        nd = normalize_nd_sbp(nd, P.ndim, len(ordered[0]))
+        logical = tuple(
+            logical_size_along([s[d] for s in ordered], P.hierarchy, nd, d)
+            for d in range(len(ordered[0]))
         )
-    ndim = len(ordered[0])
-    logical = tuple(
-        logical_size_along([s[d] for s in ordered], P.hierarchy, nd, d) for d in range(ndim)
-    )
-    _check_local_shapes(shapes, GlobalSpec(P, nd, logical, None))
-    return logical
-
-
-def _check_local_shapes(shapes: dict[int, tuple[int, ...]], spec: GlobalSpec) -> None:
-    P = spec.placement
-    got = [shapes[r] for r in P.flat_ranks]
+    else:
+        logical = ordered[0]
+    nd = normalize_nd_sbp(nd, P.ndim, len(logical))
+    spec = GlobalSpec(P, nd, logical, None)
     expected = [spec.local_shape(r) for r in P.flat_ranks]
-    if got != expected:
+    if list(ordered) != expected:
         raise MetaMismatchError(
-            f"to_global: local shapes {got} of ranks {list(P.flat_ranks)} are not the balanced "
-            f"split of logical shape {spec.shape} by sbp {format_nd_sbp(spec.nd_sbp)} "
+            f"to_global: local shapes {list(ordered)} of ranks {list(P.flat_ranks)} are not the "
+            f"balanced split of logical shape {spec.shape} by sbp {format_nd_sbp(spec.nd_sbp)} "
             f"(expected {expected})"
         )
+    return nd, logical
 
 
 def _sync_broadcast_dims(x: torch.Tensor, P: Placement, nd: NdSbp) -> torch.Tensor:
@@ -959,20 +968,16 @@ def _local_to_global(
     """The global tensor, once every rank's local shape is known (or trusted)."""
     me = env.get_rank()
     inside = me in placement
-    splits = any(s.is_split for s in normalize_nd_sbp(sbp, placement.ndim))
-    if shape is not None:
-        logical = shape
-    elif shapes is not None:
-        first = shapes[placement.flat_ranks[0]]
-        nd = normalize_nd_sbp(sbp, placement.ndim, len(first))
-        logical = _logical_shape(shapes, placement, nd) if splits else first
-    else:
-        logical = tuple(x.shape)
-    nd = normalize_nd_sbp(sbp, placement.ndim, len(logical))
-    spec = GlobalSpec(placement, nd, tuple(logical), dtype)
     if shapes is not None:
-        _check_local_shapes(shapes, spec)
-    elif inside and tuple(x.shape) != spec.local_shape(me):
+        ordered = tuple(shapes[r] for r in placement.flat_ranks)
+        nd, logical = _agreed_layout(
+            ordered, placement, normalize_nd_sbp(sbp, placement.ndim), shape
+        )
+    else:
+        logical = shape if shape is not None else tuple(x.shape)
+        nd = normalize_nd_sbp(sbp, placement.ndim, len(logical))
+    spec = GlobalSpec(placement, nd, tuple(logical), dtype)
+    if shapes is None and inside and tuple(x.shape) != spec.local_shape(me):
         raise MetaMismatchError(
             f"to_global: local shape {tuple(x.shape)} on rank {me} does not match shape="
             f"{spec.shape} with sbp {format_nd_sbp(nd)} (expected {spec.local_shape(me)})"

@@ -66,23 +66,25 @@ def exchange(
             raise error
         return [tuple(ints)]
     fits = len(ints) <= MAX_INTS
-    row = torch.zeros(3 + MAX_INTS, dtype=torch.int64)
-    row[0] = stable_hash(sorted(description.items(), key=lambda kv: kv[0]))
-    row[1] = len(ints) if fits else -1
-    row[2] = error is not None
-    if fits and ints:
-        row[3 : 3 + len(ints)] = torch.tensor(list(ints), dtype=torch.int64)
+    header = [
+        stable_hash(sorted(description.items(), key=lambda kv: kv[0])),
+        len(ints) if fits else -1,
+        int(error is not None),
+    ]
+    body = list(ints) if fits else []
+    row = torch.tensor([header + body + [0] * (MAX_INTS - len(body))], dtype=torch.int64)
     table = torch.empty(len(ranks), 3 + MAX_INTS, dtype=torch.int64)
-    collectives.all_gather(table, row.unsqueeze(0), ranks)
-    if bool(table[:, 2].any()):
+    collectives.all_gather(table, row, ranks)
+    rows = table.tolist()  # (one conversion: reading the table element by element is slow)
+    if any(r[2] for r in rows):
         errors = _gather_objects(None if error is None else (type(error), str(error)), ranks)
         if error is not None:
             raise error
         rank, (cls, message) = next((r, e) for r, e in zip(ranks, errors, strict=True) if e)
         raise cls(f"on rank {rank}: {message}")
-    if bool((table[:, 0] != table[0, 0]).any()):
+    if any(r[0] != rows[0][0] for r in rows):
         descriptions = _gather_objects(dict(description), ranks)
         raise MetaMismatchError(describe_mismatch(descriptions, ranks, what))
-    if bool((table[:, 1] < 0).any()):
+    if any(r[1] < 0 for r in rows):
         return [tuple(x) for x in _gather_objects(tuple(ints), ranks)]
-    return [tuple(int(v) for v in r[3 : 3 + int(r[1])]) for r in table]
+    return [tuple(r[3 : 3 + r[1]]) for r in rows]
