@@ -505,12 +505,14 @@ class _Embedder(torch.nn.Module):
         self.head = torch.nn.Linear(3, 2).double()
 
     def forward(self, ids):
+        ids = ids[0] if isinstance(ids, tuple) else ids
         return self.head(self.table(ids.view(-1, ids.shape[-1])))
 
 
-def _fast_path_with_index(rank, world, bad):
+def _fast_path_with_index(rank, world, bad, nested=False):
     """The fast path's local run of `_Embedder` on ids whose last one (on the last rank) is
-    `bad`, after a checked call on good ids: the path and the loss."""
+    `bad`, after a checked call on good ids: the path and the loss. `nested`: the ids are
+    passed in a tuple."""
     import sbp.nn
 
     P = _all(world)
@@ -518,24 +520,32 @@ def _fast_path_with_index(rank, world, bad):
     model = _Embedder().to_global(P, sbp.broadcast)
     sbp.nn.data_parallel(model)
     ids = torch.arange(4 * world).remainder(5).reshape(2 * world, 2)
-    model(sbp.tensor(ids, placement=P, sbp=sbp.split(0))).sum().backward()  # the check
+
+    def call(ids):
+        g = sbp.tensor(ids, placement=P, sbp=sbp.split(0))
+        return model((g,) if nested else g)
+
+    call(ids).sum().backward()  # the check
     ids[-1, -1] = bad
-    out = model(sbp.tensor(ids, placement=P, sbp=sbp.split(0)))
+    out = call(ids)
     out.sum().backward()
     return sbp.nn.fast_path.state(model).last_path, out.sum().item()
 
 
 @pytest.mark.parametrize("bad", [5, -1], ids=["size", "negative"])
-def test_index_out_of_range_on_the_fast_path_raises_on_every_rank(pool, bad):
+@pytest.mark.parametrize("nested", [False, True], ids=["argument", "in-a-tuple"])
+def test_index_out_of_range_on_the_fast_path_raises_on_every_rank(pool, bad, nested):
     """The checking pass notes which inputs an op checked as index tensors (`ids`, through
-    a view); each local run checks their known range as the op would."""
-    for path, _ in _expect_values(pool, _fast_path_with_index, 4):
+    a view, or inside a tuple argument); each local run checks their known range as the op
+    would."""
+    for path, _ in _expect_values(pool, _fast_path_with_index, 4, nested):
         assert path == "fast"
     _expect_error(
         pool,
         _fast_path_with_index,
         sbp.IndexRangeError,
         bad,
+        nested,
         match=f"embedding: indices holds index {bad}, outside [0, 5)",
     )
 

@@ -181,3 +181,85 @@ def test_the_local_run_keeps_torch_from_flattening_its_weights(pool2):
     step's weights, silently)."""
     make = functools.partial(Recurrent, "lstm", layers=1)
     assert_trains_as_one_process(pool2, make, _data(6, steps=3), trainer=_train_flattening)
+
+
+class Truncated(torch.nn.Module):
+    """Truncated backprop through time: the final state goes back in with the next chunk."""
+
+    def __init__(self, kind="lstm"):
+        super().__init__()
+        self.rnn = KINDS[kind](E, H, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(H, CLASSES)
+
+    def forward(self, x, state=None):
+        y, state = self.rnn(x, state)
+        return self.head(y[:, -1]), state
+
+
+def _train_truncated(make, data, P=None, fast=True, dtype=torch.float64):
+    """`out, state = model(x, state)`, the state detached between chunks (it comes back
+    split on dim 1, the batch's dim in torch's state)."""
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    if P is not None:
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model, fast=fast)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, paths, state = [], [], None
+    for x, _, y in data:
+        if P is not None:
+            x, y = (sbp.tensor(t, placement=P, sbp=sbp.split(0)) for t in (x, y))
+        out, state = model(x) if state is None else model(x, state)
+        state = tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()
+        loss = torch.nn.functional.cross_entropy(out, y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        if P is not None:
+            paths.append(sbp.nn.fast_path.state(model).last_path)
+        losses.append(loss.item())
+    params = [p.full_tensor() if P is not None else p.detach() for p in model.parameters()]
+    return losses, params, paths
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("n", [6, 7])
+def test_a_state_passed_back_in_runs_on_the_fast_path(pool2, kind, n):
+    """The state a call returns is split on dim 1; passed back in with a batch split on
+    dim 0 (before: every call after the first ran op by op, with no warning)."""
+    make = functools.partial(Truncated, kind)
+    assert_trains_as_one_process(pool2, make, _data(n, steps=3), trainer=_train_truncated)
+
+
+class SequenceFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(E, H)
+        self.head = torch.nn.Linear(H, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][-1])
+
+
+def _sequence_first(x):
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = SequenceFirst().double().to_global(P, B)
+    sbp.nn.data_parallel(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = model(sbp.tensor(x, placement=P, sbp=sbp.split(1)))
+    said = [str(w.message) for w in seen if "runs op by op" in str(w.message)]
+    return out.full_tensor(), sbp.nn.fast_path.state(model).last_path, said
+
+
+def test_a_sequence_first_batch_runs_op_by_op_and_says_so(pool2):
+    """A batch split on dim 1 only (torch's sequence-first layout) runs op by op, exactly;
+    the warning says how to get the fast path (before: silently slow)."""
+    x = torch.randn(L, 5, E, dtype=torch.float64)
+    torch.manual_seed(0)
+    want = SequenceFirst().double()(x)
+    for out, path, said in pool2.run(_sequence_first, x):
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        assert path == "per-op"
+        assert len(said) == 1 and "takes a batch split on dim 0" in said[0], said

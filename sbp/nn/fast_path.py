@@ -140,6 +140,38 @@ def _all_of(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+class _NotDataParallel(Exception):
+    """An argument the fast path cannot take (`DataParallel._layout_key`)."""
+
+
+def _global_inputs(args: tuple, kwargs: dict) -> Iterator[tuple[tuple, GlobalTensor]]:
+    """(path, tensor) of each global input, in tuples too (a recurrent layer's (h, c)
+    state): the path is the argument's position or keyword, then the indices inside."""
+    stack = [((k,), a) for k, a in reversed([*enumerate(args), *kwargs.items()])]
+    while stack:
+        path, a = stack.pop()
+        if isinstance(a, GlobalTensor):
+            yield path, a
+        elif type(a) is tuple:
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(a))))
+
+
+def _input_at(args: tuple, kwargs: dict, path: tuple) -> Any:
+    value = args[path[0]] if type(path[0]) is int else kwargs[path[0]]
+    for i in path[1:]:
+        value = value[i]
+    return value
+
+
+def _map_globals(a: Any, fn: Callable) -> Any:
+    """`a` with `fn` applied to each global tensor in it (itself, or in tuples)."""
+    if isinstance(a, GlobalTensor):
+        return fn(a)
+    if type(a) is tuple:
+        return tuple(_map_globals(v, fn) for v in a)
+    return a
+
+
 class _Check:
     """Watches every op of the checking pass (see `sbp.ops.registry.observers`)."""
 
@@ -225,13 +257,13 @@ class _Check:
         tensor, itself or a view of all of it (`ids.view(-1, n)`): the local run checks the
         input's known range against the limit on every call, as the op did here, so that a
         bad index raises on every rank, not in one rank's kernel alone."""
-        inputs = [*enumerate(args), *kwargs.items()]
+        inputs = list(_global_inputs(args, kwargs))
         found = []
         for limit in self.index_limits:
             t = limit.index._local
-            for key, a in inputs:
-                if isinstance(a, GlobalTensor) and _all_of(a._local, t):
-                    found.append((key, dataclasses.replace(limit, index=None)))
+            for path, a in inputs:
+                if _all_of(a._local, t):
+                    found.append((path, dataclasses.replace(limit, index=None)))
                     break
         return found
 
@@ -744,8 +776,8 @@ class _Undo:
         # an inference tensor has none, and no write of it can be undone: none is allowed)
         self.inputs = [
             (a, a._version, a._local.clone())
-            for a in (*args, *kwargs.values())
-            if isinstance(a, GlobalTensor) and not a.is_inference()
+            for _, a in _global_inputs(args, kwargs)
+            if not a.is_inference()
         ]
         self.rng = dict(random._state)
 
@@ -1019,11 +1051,7 @@ class DataParallel:
             return self._per_op(args, kwargs, backend)
         why = self._per_op_reason()
         if why is not None:
-            if why not in self._warned:
-                self._warned.add(why)
-                warnings.warn(
-                    f"sbp: {type(self._module_ref).__name__} runs op by op {why}", stacklevel=3
-                )
+            self._warn_once(f"runs op by op {why}")
             return self._per_op(args, kwargs, backend)
         layout = self._layouts.get(key)
         if layout is None:
@@ -1031,12 +1059,8 @@ class DataParallel:
             layout = self._layouts[key] = self._check(args, kwargs, data_nd)
             if len(self._layouts) > LAYOUTS:
                 self._layouts.popitem(last=False)
-            if not layout.ok and layout.reason not in self._warned:
-                self._warned.add(layout.reason)
-                warnings.warn(
-                    f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
-                    stacklevel=3,
-                )
+            if not layout.ok:
+                self._warn_once(f"runs op by op: {layout.reason}")
         else:
             self._layouts.move_to_end(key)
         if layout.empty_part:
@@ -1045,12 +1069,18 @@ class DataParallel:
             backend is not None and self._local_compile_declined(layout, data_nd) is not None
         ):
             return self._per_op(args, kwargs, backend)
-        for key, limit in layout.index_inputs:  # (as the ops checked them op by op)
-            limit.check(args[key] if type(key) is int else kwargs[key])
+        for path, limit in layout.index_inputs:  # (as the ops checked them op by op)
+            limit.check(_input_at(args, kwargs, path))
         self.last_path = "fast"
         if layout.tried:
             return self._run_local(args, kwargs, layout, data_nd, backend)
         return self._first_local_run(args, kwargs, layout, data_nd, backend)
+
+    def _warn_once(self, what: str) -> None:
+        """Warn that the module `what`, once per module (from the caller's line)."""
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(f"sbp: {type(self._module_ref).__name__} {what}", stacklevel=4)
 
     def _note_new_numbers(self, key: tuple) -> None:
         """A number argument is part of the layout (the forward may branch on it), so each
@@ -1138,27 +1168,44 @@ class DataParallel:
 
     def _layout_key(self, args, kwargs) -> tuple[tuple | None, tuple]:
         """A hashable key of the call's layout, or None when it is not a data-parallel call:
-        global inputs on the placement, split along dim 0 or broadcast, others plain values."""
+        global inputs on the placement, split or broadcast, others plain values. The
+        hierarchy dims along which some input is split on dim 0 hold the batch; an input
+        split on another dim is split along those only (a recurrent state passed back in is
+        split on its dim 1)."""
         # (each BatchNorm and dropout module's own mode: one may differ from the model's)
         modes = tuple(m.training for m in self._special)
         key: list = [self._module_ref.training, modes, torch.is_grad_enabled(), tuple(kwargs)]
         data: set[int] = set()
-        for a in (*args, *kwargs.values()):
+        other: set[int] = set()
+
+        def key_of(a):
             if isinstance(a, GlobalTensor):
                 spec = a._spec
                 if spec.placement != self.placement:
-                    return None, ()
+                    raise _NotDataParallel
                 for h, s in enumerate(spec.nd_sbp):
-                    if s.is_split and s.dim == 0:
-                        data.add(h)
+                    if s.is_split:
+                        (data if s.dim == 0 else other).add(h)
                     elif not s.is_broadcast:
-                        return None, ()
-                key.append(spec)
-            elif not _is_constant(a):  # (a local tensor, a KV cache the forward writes into)
-                return None, ()
-            else:
-                key.append((type(a), a))
-        if not data:
+                        raise _NotDataParallel
+                return spec
+            if type(a) is tuple and not _is_constant(a):
+                return (tuple, tuple(map(key_of, a)))
+            if not _is_constant(a):  # (a local tensor, a KV cache the forward writes into)
+                raise _NotDataParallel
+            return (type(a), a)
+
+        try:
+            key.extend(map(key_of, (*args, *kwargs.values())))
+        except _NotDataParallel:
+            return None, ()
+        if not data or not other <= data:
+            if other:  # (a sequence-first batch, split on dim 1: worth saying, it is slow)
+                self._warn_once(
+                    "runs op by op: the fast path takes a batch split on dim 0, and its inputs "
+                    "are split on other dims only, or along other placement dims (pass the "
+                    "batch first, and transpose it inside the forward if need be)"
+                )
             return None, ()
         data_nd = tuple(split(0) if h in data else broadcast for h in range(self.placement.ndim))
         return tuple(key), data_nd
@@ -1285,8 +1332,6 @@ class DataParallel:
         compiled = self._compiled_forward(run, layout, backend)
 
         def enter(a):
-            if not isinstance(a, GlobalTensor):
-                return a
             read_now(a)  # (a copied view of a base written since: taken again)
             if grad and a.requires_grad:
                 return _EnterLocal.apply(a, _share_spec(a._spec, data_nd))
@@ -1294,8 +1339,8 @@ class DataParallel:
             # tensor's sizes static, and the local graph's batch size may become dynamic)
             return a._local if compiled is None else a._local.detach()
 
-        largs = [enter(a) for a in args]
-        lkwargs = {k: enter(v) for k, v in kwargs.items()}
+        largs = [_map_globals(a, enter) for a in args]
+        lkwargs = {k: _map_globals(v, enter) for k, v in kwargs.items()}
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if compiled is not None:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout
