@@ -1,7 +1,8 @@
 """Data-parallel training: global tensors vs torch DDP, same machine, same run.
 
 mobilenet_v2 (10 classes; `--model vit`: a small vision transformer; `--model lstm`: a
-2-layer LSTM reading each image row by row; `--model bags`: an EmbeddingBag of ids
+2-layer LSTM reading each image row by row, `lstm-carried` passing its final state back
+in with the next batch; `--model bags`: an EmbeddingBag of ids
 quantised from the image) on 3x32x32, SGD with momentum, a batch of
 `--batch` per rank.
 Each method trains its own copy of the model from the same initial weights on the same
@@ -69,6 +70,16 @@ class RowLSTM(torch.nn.Module):
         return self.head(out[:, -1])
 
 
+class CarriedLSTM(RowLSTM):
+    """RowLSTM whose final state goes back in with the next batch (truncated backprop
+    through time, detached between steps): the state comes in laid out as the batch on
+    its dim 1."""
+
+    def forward(self, x: torch.Tensor, state: tuple | None = None) -> tuple:
+        out, state = self.lstm(x.permute(0, 2, 1, 3).flatten(2), state)
+        return self.head(out[:, -1]), state
+
+
 class TokenBags(torch.nn.Module):
     """A bag-of-words classifier: each image's first row of 3 x 32 values quantised to 96
     ids of a 2000-word vocabulary, their mean embedding (`nn.EmbeddingBag`, width 64),
@@ -101,6 +112,7 @@ MODELS = {
         ),
     ),
     "lstm": ("RowLSTM(96 -> 128, 2 layers, 10 classes)", RowLSTM, {}),
+    "lstm-carried": ("CarriedLSTM(RowLSTM, its state passed back in)", CarriedLSTM, {}),
     "bags": ("TokenBags(2000 words, EmbeddingBag width 64, MLP 128, 10 classes)", TokenBags, {}),
 }  # fmt: skip
 
@@ -134,11 +146,16 @@ class Trainer:
         self.model, self.batches, self.wrap_batch = model, batches, wrap_batch
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         self.i = 0
+        self.state = None  # a model returning (logits, state) gets its state back
 
     def step(self) -> torch.Tensor:
         x, y = self.wrap_batch(*self.batches[self.i % len(self.batches)])
         self.i += 1
-        loss = F.cross_entropy(self.model(x), y)
+        out = self.model(x) if self.state is None else self.model(x, self.state)
+        if isinstance(out, tuple):
+            out, state = out
+            self.state = tuple(s.detach() for s in state)
+        loss = F.cross_entropy(out, y)
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
