@@ -202,3 +202,56 @@ def test_clip_grad_norm_of_split_broadcast_and_expanded_gradients(pool2, foreach
     for got in pool2.run(_clipped_global, foreach):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _clipped_pipeline(foreach, error_if_nonfinite):
+    """A pipeline's parameters: one on each rank's own placement and one split over both,
+    clipped together; everything read back on the whole world."""
+    P = sbp.placement("cpu", [0, 1])
+    places = (sbp.placement("cpu", [0]), sbp.placement("cpu", [1]), P)
+
+    def make(t, layout):
+        where = places[make.i]
+        make.i += 1
+        return sbp.tensor(t, placement=where, sbp=layout if where is P else B)
+
+    make.i = 0
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 6), (6,), (3,))]
+    ps = [make(v, layout).requires_grad_() for v, layout in zip(values, (S0, B, B), strict=True)]
+    whole = [p.to_global(placement=P, sbp=B) for p in ps]
+    ((whole[0] * whole[1]).pow(2).sum() + 3.0 * whole[2].sum()).backward()
+    kw = {} if foreach is None else {"foreach": foreach}
+    norm = torch.nn.utils.clip_grad_norm_(ps, 0.5, error_if_nonfinite=error_if_nonfinite, **kw)
+    return [list(norm.placement.ranks)] + [
+        t.to_global(placement=P, sbp=B).full_tensor() for t in (norm, *(p.grad for p in ps))
+    ]
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+@pytest.mark.parametrize("error_if_nonfinite", [False, True])
+def test_clip_grad_norm_over_a_pipelines_placements(pool2, foreach, error_if_nonfinite):
+    """Parameters on several placements (a pipeline's stages) clipped together, as one
+    process clips them: each norm goes to the placement of all their ranks (the total is
+    read on every stage: error_if_nonfinite), and the scale to each gradient's (before: PlacementError, "inputs
+    are on different placements", from _foreach_norm)."""
+    want = _clipped(lambda t, layout: t.clone(), True)
+    for where, *got in pool2.run(_clipped_pipeline, foreach, error_if_nonfinite):
+        assert where == [0, 1]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _clipped_pipeline_error(foreach):
+    try:
+        _clipped_pipeline(foreach, False)
+    except sbp.PlacementError as e:
+        return str(e)
+    return None
+
+
+def test_clip_grad_norm_over_placements_without_foreach_raises_on_every_rank(pool2):
+    """torch's loop without foreach stacks norms of several placements itself: the same
+    PlacementError on every rank, naming the op."""
+    for said in pool2.run(_clipped_pipeline_error, False):
+        assert said is not None and "aten.stack" in said and "different placements" in said

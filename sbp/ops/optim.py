@@ -20,6 +20,7 @@ from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
 from sbp.ops.registry import LOCAL_STATE_OPS, rebox, register
 from sbp.ops.writes import assign, written
+from sbp.placement import placement as Placement
 from sbp.signature import broadcast, partials_to_broadcast
 
 aten = torch.ops.aten
@@ -68,6 +69,9 @@ def list_rule(func, args, kwargs):
     if aligned is not None:  # the usual optimizer step: nothing to check or move
         local_args, placement, specs = aligned
         return _run(func, _with(local_args, at, numbers), kwargs, placement, specs)
+    groups = placement_groups(func, args)
+    if len(groups) > 1:
+        return _per_placement(func, _with(args, at, numbers), kwargs, groups)
     from sbp.ops.registry import flatten, scan
     from sbp.tensor import GlobalTensor, written_args
 
@@ -192,9 +196,72 @@ def _run(func, local_args, local_kwargs, placement, specs):
 
 @register(aten._foreach_norm.Scalar)
 def foreach_norm(func, args, kwargs):
+    """Each tensor's norm by the norm rule. Over several placements (a pipeline's stages,
+    clip_grad_norm_ of all its parameters) every norm goes broadcast to the placement of all
+    their ranks, where torch can stack them and every stage can read the total (one move
+    per placement; OneFlow's clip_grad_norm_ gathers them on the first stage's)."""
     ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-    return [torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in args[0]]
+    norms = [torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in args[0]]
+    groups = placement_groups(func, args)
+    if len(groups) < 2:
+        return norms
+    ranks = sorted({r for p in groups for r in p.flat_ranks})
+    every = Placement(next(iter(groups)).type, ranks)
+    for at in groups.values():
+        moved = torch.stack([norms[i] for i in at]).to_global(placement=every, sbp=broadcast)
+        for i, n in zip(at, moved.unbind(0), strict=True):
+            norms[i] = n
+    return norms
+
+
+def placement_groups(func, args: tuple) -> dict:
+    """{placement: positions} of the first tensor list's global tensors (one key: one
+    placement). A local tensor among global ones raises PlacementError naming `func`."""
+    from sbp.tensor import GlobalTensor
+
+    first = next((a for a in args if type(a) in (list, tuple) and a), ())
+    groups: dict = {}
+    for i, t in enumerate(first):
+        if not isinstance(t, GlobalTensor):
+            if isinstance(t, torch.Tensor) and groups:
+                raise PlacementError(f"{func}: mixes global tensors with a local torch.Tensor")
+            return groups
+        groups.setdefault(t._spec.placement, []).append(i)
+    return groups
+
+
+def _per_placement(func, args: tuple, kwargs: dict, groups: dict):
+    """The list op once per placement, on the entries of every list at that placement's
+    positions; a lone global tensor argument (clip_grad_norm_'s scale, a 0-d broadcast)
+    goes to each placement, broadcast."""
+    from sbp.tensor import GlobalTensor
+
+    n = next(len(a) for a in args if type(a) in (list, tuple) and a)
+    many = len(func._schema.returns) > 1  # (lists of results: `_foreach_frexp`)
+    results: list | None = None
+
+    def to(placement, a):
+        if type(a) in (list, tuple) and len(a) == n:
+            return [a[i] for i in at]
+        if isinstance(a, GlobalTensor) and a._spec.placement != placement:
+            return a.to_global(placement=placement, sbp=(broadcast,) * placement.ndim)
+        return a
+
+    for placement, at in groups.items():
+        out = func(
+            *(to(placement, a) for a in args), **{k: to(placement, v) for k, v in kwargs.items()}
+        )
+        if out is None:
+            continue
+        parts = out if many else (out,)
+        results = results or [[None] * n for _ in parts]
+        for whole, part in zip(results, parts, strict=True):
+            for i, o in zip(at, part, strict=True):
+                whole[i] = o
+    if results is None:
+        return None
+    return tuple(results) if many else results[0]
 
 
 @register(aten._amp_foreach_non_finite_check_and_unscale_.default)

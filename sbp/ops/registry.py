@@ -455,6 +455,8 @@ def _resolve(func):
     """The rule of `func` (a StrategyRule or a function), looked up once per op."""
     rule = _resolved.get(func)
     if rule is None:
+        from sbp.ops.optim import is_list_op, list_rule
+
         rule = _rules.get(func)
         if rule is None:
             rule = next((r for applies, r in _rules_first if applies(func)), None)
@@ -463,17 +465,16 @@ def _resolve(func):
         if rule is None:
             rule = next((r for applies, r in _rules_when if applies(func)), None)
         if rule is None:
-            from sbp.ops.optim import is_list_op, list_rule
-
             rule = list_rule if is_list_op(func) else _FALLBACK
-            if rule is list_rule:
-                _list_ops.add(func)
+        if is_list_op(func):
+            _list_ops.add(func)
         _resolved[func] = rule
     return rule
 
 
-# List ops without a rule of their own: `sbp.ops.optim.list_rule` takes their arguments as they
-# are (no decision cache: a key over hundreds of tensors would cost more than it saves).
+# List ops: their rule (`sbp.ops.optim.list_rule`, or their own) takes their arguments as they
+# are and checks them (no decision cache: a key over hundreds of tensors would cost more than
+# it saves; no single placement: a pipeline's stages may share one list).
 _list_ops: set = set()
 
 
