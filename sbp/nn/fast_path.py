@@ -78,6 +78,9 @@ from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, read_now, w
 aten = torch.ops.aten
 ATTR = "_sbp_data_parallel"
 LAYOUTS = 64  # input layouts remembered per module (LRU)
+# A warning from a helper of `DataParallel.call` names the line that called the module: past
+# the helper, call, __call__, the module's forward, and torch's _call_impl, _wrapped_call_impl
+CALLER = 7
 NEW_NUMBERS_WARNED = 4  # layouts differing only in a number's value, before a warning
 # output values besides tensors that the local run may return as they are
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -1076,11 +1079,11 @@ class DataParallel:
             return self._run_local(args, kwargs, layout, data_nd, backend)
         return self._first_local_run(args, kwargs, layout, data_nd, backend)
 
-    def _warn_once(self, what: str) -> None:
-        """Warn that the module `what`, once per module (from the caller's line)."""
+    def _warn_once(self, what: str, stacklevel: int = CALLER) -> None:
+        """Warn that the module `what`, once per module, from the line that called it."""
         if what not in self._warned:
             self._warned.add(what)
-            warnings.warn(f"sbp: {type(self._module_ref).__name__} {what}", stacklevel=4)
+            warnings.warn(f"sbp: {type(self._module_ref).__name__} {what}", stacklevel=stacklevel)
 
     def _note_new_numbers(self, key: tuple) -> None:
         """A number argument is part of the layout (the forward may branch on it), so each
@@ -1098,7 +1101,7 @@ class DataParallel:
                 f"sbp: {type(self._module_ref).__name__} is checked again, op by op, for "
                 "each new value of a number argument; pass a value that changes every call "
                 "as a tensor (global, broadcast) so its layout stays the same",
-                stacklevel=4,
+                stacklevel=CALLER,
             )
 
     def _first_local_run(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
@@ -1136,7 +1139,7 @@ class DataParallel:
         layout.ok, layout.reason = False, why or "its local run differs on another rank"
         warnings.warn(
             f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
-            stacklevel=4,
+            stacklevel=CALLER,
         )
         return self._per_op(args, kwargs, backend)
 
@@ -1204,7 +1207,8 @@ class DataParallel:
                 self._warn_once(
                     "runs op by op: the fast path takes a batch split on dim 0, and its inputs "
                     "are split on other dims only, or along other placement dims (pass the "
-                    "batch first, and transpose it inside the forward if need be)"
+                    "batch first, and transpose it inside the forward if need be)",
+                    stacklevel=CALLER + 1,  # (from a helper of call)
                 )
             return None, ()
         data_nd = tuple(split(0) if h in data else broadcast for h in range(self.placement.ndim))
