@@ -255,3 +255,38 @@ def test_clip_grad_norm_over_placements_without_foreach_raises_on_every_rank(poo
     PlacementError on every rank, naming the op."""
     for said in pool2.run(_clipped_pipeline_error, False):
         assert said is not None and "aten.stack" in said and "different placements" in said
+
+
+def _list_ops_over_placements(values, scalars):
+    """`torch._foreach_*` over lists whose entries sit on [0], [1] and [0, 1] (split)."""
+    P = sbp.placement("cpu", [0, 1])
+    places = (sbp.placement("cpu", [0]), sbp.placement("cpu", [1]), P)
+    layouts = (B, B, S0)
+
+    def lists(k):
+        return [
+            sbp.tensor(v[k], placement=p, sbp=s)
+            for v, p, s in zip(values, places, layouts, strict=True)
+        ]
+
+    a, b, c = lists(0), lists(1), lists(2)
+    torch._foreach_addcdiv_(a, b, c, scalars)  # (a local tensor of numbers, one per entry)
+    made = torch._foreach_mul(a, b)  # (a new list)
+    return [t.to_global(placement=P, sbp=B).full_tensor() for t in (*a, *made)]
+
+
+def test_list_ops_over_placements_equal_one_process(pool2):
+    """A list op over several placements runs once per placement, each on its entries of
+    every list and of a tensor of numbers; results come back in order."""
+    g = torch.Generator().manual_seed(1)
+    values = [
+        [torch.randn(*s, generator=g, dtype=torch.float64) + (2 if k == 2 else 0) for k in range(3)]
+        for s in ((3,), (2, 2), (4, 3))
+    ]
+    scalars = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
+    a, b, c = ([v[k].clone() for v in values] for k in range(3))
+    torch._foreach_addcdiv_(a, b, c, scalars)
+    want = [*a, *torch._foreach_mul(a, b)]
+    for got in pool2.run(_list_ops_over_placements, values, scalars):
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)

@@ -71,7 +71,7 @@ def list_rule(func, args, kwargs):
         return _run(func, _with(local_args, at, numbers), kwargs, placement, specs)
     groups = placement_groups(func, args)
     if len(groups) > 1:
-        return _per_placement(func, _with(args, at, numbers), kwargs, groups)
+        return _per_placement(func, args, kwargs, groups, at, numbers)
     from sbp.ops.registry import flatten, scan
     from sbp.tensor import GlobalTensor, written_args
 
@@ -231,33 +231,35 @@ def placement_groups(func, args: tuple) -> dict:
     return groups
 
 
-def _per_placement(func, args: tuple, kwargs: dict, groups: dict):
+def _per_placement(func, args: tuple, kwargs: dict, groups: dict, at=None, numbers=None):
     """The list op once per placement, on the entries of every list at that placement's
-    positions; a lone global tensor argument (clip_grad_norm_'s scale, a 0-d broadcast)
-    goes to each placement, broadcast."""
+    positions, and of the local tensor of `numbers` (one per entry) at `at`; a lone global
+    tensor argument (clip_grad_norm_'s scale, a 0-d broadcast) goes to each placement,
+    broadcast."""
     from sbp.tensor import GlobalTensor
 
     n = next(len(a) for a in args if type(a) in (list, tuple) and a)
-    many = len(func._schema.returns) > 1  # (lists of results: `_foreach_frexp`)
+    many = len(func._schema.returns) > 1  # (lists of results: `_fused_adam`, functional)
     results: list | None = None
 
     def to(placement, a):
         if type(a) in (list, tuple) and len(a) == n:
-            return [a[i] for i in at]
+            return [a[i] for i in positions]
         if isinstance(a, GlobalTensor) and a._spec.placement != placement:
             return a.to_global(placement=placement, sbp=(broadcast,) * placement.ndim)
         return a
 
-    for placement, at in groups.items():
-        out = func(
-            *(to(placement, a) for a in args), **{k: to(placement, v) for k, v in kwargs.items()}
-        )
+    for placement, positions in groups.items():
+        mine = [to(placement, a) for a in args]
+        if numbers is not None:
+            mine[at] = numbers[positions]
+        out = func(*mine, **{k: to(placement, v) for k, v in kwargs.items()})
         if out is None:
             continue
         parts = out if many else (out,)
         results = results or [[None] * n for _ in parts]
         for whole, part in zip(results, parts, strict=True):
-            for i, o in zip(at, part, strict=True):
+            for i, o in zip(positions, part, strict=True):
                 whole[i] = o
     if results is None:
         return None
