@@ -9,7 +9,7 @@ import sbp
 from sbp import comm
 from sbp.comm import cost
 from sbp.comm.meta import MAX_INTS
-from sbp.testing import SpmdError, SpmdPool
+from sbp.testing import SpmdPool
 
 
 def _gather_in_placement_order(ranks):
@@ -149,50 +149,6 @@ def test_collective_timeout_becomes_comm_timeout_error():
         assert results[1][0] == "skipped"
     finally:
         pool.close()
-
-
-def _rank_two_fails():
-    if sbp.env.get_rank() == 2:
-        raise ValueError("rank two is unhappy")
-    return sbp.env.get_rank()
-
-
-def _exit_on_rank_one():
-    import os
-
-    if sbp.env.get_rank() == 1:
-        os._exit(7)
-    return sbp.env.get_rank()
-
-
-def _rank_and_world():
-    return sbp.env.get_rank(), sbp.env.get_world_size()
-
-
-def test_pool_runs_reports_and_survives(pool4):
-    assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
-    with pytest.raises(SpmdError, match="rank 2 raised") as info:
-        pool4.run(_rank_two_fails)
-    assert "rank two is unhappy" in info.value.errors[2]
-    assert isinstance(info.value.exceptions[2], ValueError)
-    with pytest.raises(SpmdError, match=r"rank 1 died \(exit code 7\)"):
-        pool4.run(_exit_on_rank_one)
-    assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
-
-
-def _rank_one_hangs():
-    import time
-
-    if sbp.env.get_rank() == 1:
-        time.sleep(600)
-    return sbp.env.get_rank()
-
-
-def test_pool_reports_a_hung_worker_with_its_stack_and_recovers(pool4):
-    with pytest.raises(SpmdError, match=r"ranks \[1\] did not finish in time") as info:
-        pool4.run(_rank_one_hangs, timeout=3)
-    assert "_rank_one_hangs" in str(info.value)  # faulthandler's dump of the stuck rank
-    assert pool4.run(_rank_and_world) == [(r, 4) for r in range(4)]
 
 
 def _small_all_reduces(ranks):
