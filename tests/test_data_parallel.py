@@ -1349,18 +1349,28 @@ def test_the_check_itself_refuses_batch_rows_written_into_a_buffer(pool2, kind):
         assert len(messages) == 1 and want in messages[0], messages
 
 
-def _hard_coded_batch():
+def _hard_coded_batch(x):
     P = sbp.placement("cpu", [0, 1])
-    x, y = _data(steps=1)[0]
+    torch.manual_seed(0)
     model = ExpandsToTheBatch("hard-coded").double().to_global(P, B)
-    with pytest.raises(RuntimeError, match="size"):
-        model(_global(x, P))
-    return True
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        outs = [model(_global(x, P)).full_tensor() for _ in range(2)]
+    said = [str(w.message) for w in seen if "runs op by op" in str(w.message)]
+    return outs, sbp.nn.fast_path.state(model).last_path, said
 
 
-def test_a_hard_coded_batch_size_raises_on_every_rank(pool2):
-    """The check sees the logical batch; the local run's shapes do not fit, on every rank."""
-    assert pool2.run(_hard_coded_batch) == [True, True]
+def test_a_hard_coded_batch_size_runs_op_by_op_on_every_rank(pool2):
+    """The check sees the logical batch; the local run's shapes do not fit, on every rank,
+    and torch raises there: every rank goes op by op, saying so (before: the error)."""
+    x = _data(steps=1)[0][0]
+    torch.manual_seed(0)
+    want = ExpandsToTheBatch("hard-coded").double()(x)
+    for outs, path, said in pool2.run(_hard_coded_batch, x):
+        for out in outs:
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        assert path == "per-op"
+        assert len(said) == 1 and "its local run raised RuntimeError" in said[0], said
 
 
 class CastsAndTests(torch.nn.Module):

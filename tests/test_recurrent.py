@@ -7,6 +7,7 @@ as a whole, so these models run on local shards. Each test trains on global tens
 one process on the logical batch, float64 unless said.
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -263,3 +264,63 @@ def test_a_sequence_first_batch_runs_op_by_op_and_says_so(pool2):
         torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
         assert path == "per-op"
         assert len(said) == 1 and "takes a batch split on dim 0" in said[0], said
+
+
+class ZeroState(torch.nn.Module):
+    """An LSTM given its initial state as torch's tutorials make it: zeros (and, for the
+    cell state, halves) of the batch's size, `x.new_zeros(layers, x.size(0), H)`, or
+    `torch.zeros` under `sbp.global_mode` (`factory`); `size`: of a fixed batch size."""
+
+    def __init__(self, factory=False, size=None):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(E, H, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(H, CLASSES)
+        self.factory, self.size = factory, size
+
+    def forward(self, x, _=None):
+        shape = (2, self.size or x.size(0), H)
+        if self.factory:
+            h, c = torch.zeros(shape, dtype=x.dtype), torch.full(shape, 0.5, dtype=x.dtype)
+        else:
+            h, c = x.new_zeros(shape), x.new_full(shape, 0.5)
+        y, _ = self.rnn(x, (h, c))
+        return self.head(y[:, -1])
+
+
+def _train_in_global_mode(make, data, P=None, **kw):
+    """`train`, the global steps inside `sbp.global_mode(P)` (torch's factories make
+    global tensors; the model is made before), saying what it warned."""
+    torch.manual_seed(0)
+    model = make()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with sbp.global_mode(P) if P is not None else contextlib.nullcontext():
+            losses, params, paths = train(lambda: model, data, P, **kw)
+    said = [str(w.message) for w in seen if "op by op" in str(w.message)]
+    return losses, params, paths + said
+
+
+@pytest.mark.parametrize("factory", [False, True])
+@pytest.mark.parametrize("n", [6, 7])
+def test_a_zero_state_of_the_batchs_size_runs_on_the_fast_path(pool2, factory, n):
+    """The state made in the forward of the batch's size is laid out as the batch (before:
+    broadcast, so the LSTM ran op by op, "the initial state is not laid out as the batch");
+    the local run makes it of its shard's size."""
+    make = functools.partial(ZeroState, factory)
+    assert_trains_as_one_process(pool2, make, _data(n), trainer=_train_in_global_mode)
+
+
+def test_a_zero_state_of_a_fixed_size_runs_op_by_op(pool2):
+    """A state of a fixed size equal to the batch's: the local run's LSTM meets shards of
+    4 and 3 rows with a state of 7 and torch raises on both ranks; they go op by op
+    together, saying why, and train as one process."""
+    make = functools.partial(ZeroState, size=7)
+    data = _data(7)
+    want_losses, want_params, _ = train(make, data)
+    P = sbp.placement("cpu", [0, 1])
+    for losses, params, paths in pool2.run(_train_in_global_mode, make, data, P):
+        assert paths[:2] == ["per-op"] * 2
+        assert len(paths) == 3 and "its local run raised RuntimeError" in paths[2], paths
+        assert losses == pytest.approx(want_losses, rel=1e-10)
+        for got, ref in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

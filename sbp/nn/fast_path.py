@@ -64,6 +64,7 @@ from sbp.nn import (
     torch_embedding_bag,
     torch_recurrent,
 )
+from sbp.nn.batch_rows import moved_to
 from sbp.nn.names_replaced import NamesReplaced
 from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
@@ -204,8 +205,11 @@ class _Check:
     # F.cross_entropy and F.nll_loss of the batch (the local run computes the logical mean)
     LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
-    def __init__(self, data_nd: tuple):
+    def __init__(self, data_nd: tuple, batch: int | None = None):
+        """`batch`: the logical batch size where every part of it holds samples (see
+        `batch_fill`), else None."""
         self.data_nd = data_nd
+        self.batch = batch
         self.reason = ""
         self.bn_counts: list[int] = []
         self.dropouts = self.losses = self.by_name_dropouts = 0
@@ -341,6 +345,22 @@ class _Check:
         finally:
             self.whole_calls -= 1
 
+    def batch_fill(self, out: Any) -> Any:
+        """A fill made in the forward (`x.new_zeros(layers, x.size(0), hidden)`, an RNN's
+        initial state as torch's tutorials make it, or `torch.zeros` under global_mode):
+        broadcast, with one dim of the batch's size, it is laid out as the batch on that
+        dim. Every row holds the same value, and the local run makes it from its own batch
+        size. One made of a fixed size that happens to be the batch's is not the local
+        run's rows: with every part of the batch holding samples (`batch`), its local run
+        then meets a shard of fewer rows on every rank alike, where torch raises or the
+        outputs differ from this pass's (`DataParallel._first_local_run`: op by op)."""
+        if self.batch is None or not isinstance(out, GlobalTensor):
+            return out
+        dims = [d for d, n in enumerate(out.shape) if n == self.batch]
+        if len(dims) != 1 or not is_all_broadcast(out.sbp):
+            return out
+        return out.to_global(sbp=moved_to(self.data_nd, dims[0]))
+
     def _batch_moved(self, x: GlobalTensor) -> bool:
         """Is `x` laid out as the batch moved to another dim (`x.transpose(0, 1)` of a
         sequence-first model, or the `(1, N, L, E)` torch's 3-d attention makes)? Nothing
@@ -409,6 +429,19 @@ _WHOLE_CALLS = {
 }
 
 
+# new tensors of one value: as methods, or torch's factories under global_mode
+_FILLS = frozenset(
+    (
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+        torch.zeros,
+        torch.ones,
+        torch.full,
+    )
+)
+
+
 class _WholeCalls(TorchFunctionMode):
     """In the checking pass, torch's functions that are row-wise in the batch, as called:
     - `F.scaled_dot_product_attention` with dropout (`dropout_p`) off the CPU draws its
@@ -416,7 +449,8 @@ class _WholeCalls(TorchFunctionMode):
       path's masks, so the module runs op by op. On the CPU torch computes it as a
       composite whose `bernoulli_` the check sees (`_Run.attention`);
     - `F.multi_head_attention_forward`, torch's recurrent functions (`torch.lstm`, ...) and
-      `F.embedding_bag` are taken as a whole (`_Check.whole_call`)."""
+      `F.embedding_bag` are taken as a whole (`_Check.whole_call`);
+    - a fill of the batch's size is laid out as the batch (`_Check.batch_fill`)."""
 
     def __init__(self, check: _Check):
         super().__init__()
@@ -431,6 +465,8 @@ class _WholeCalls(TorchFunctionMode):
         kind = _WHOLE_CALLS.get(func)
         if kind is not None:
             return self.check.whole_call(kind, func, args, kwargs)
+        if func in _FILLS:
+            return self.check.batch_fill(func(*args, **kwargs))
         return func(*args, **kwargs)
 
 
@@ -1109,16 +1145,25 @@ class DataParallel:
         rank's parts, and the buffers it left) and undone where they differ: the module then
         runs op by op, as for a failed check. The check cannot see a forward that reads the
         batch size as a number (`h * h.shape[0]`: the logical size there, the local one
-        here). An error raises as it is: it may be one rank's alone (a shard with no rows),
-        and the others are inside the run's collectives."""
+        here), or a fill of a fixed size equal to the batch's (`_Check.batch_fill`). An
+        error in a forward that makes no collective (no BatchNorm over the batch, no loss)
+        sends every rank op by op, as a difference does; in one that does, it raises as it
+        is: it may be one rank's alone (a shard with no rows), and the others wait inside
+        the run's collectives, where a rank's verdict would meet them."""
         expected, layout.expected = layout.expected, None
         undo = _Undo(self._slots.buffers, args, kwargs)
         eager = self._eager(backend)
         watch = recomputation.Recomputation() if eager and torch.is_grad_enabled() else None
-        with watch or contextlib.nullcontext():
-            out = self._run_local(args, kwargs, layout, data_nd, backend)
         why = ""
-        if eager:
+        try:
+            with watch or contextlib.nullcontext():
+                out = self._run_local(args, kwargs, layout, data_nd, backend)
+        except Exception as e:
+            if layout.bn_counts or layout.losses:
+                raise
+            out, watch, expected = None, None, None
+            why = f"its local run raised {type(e).__name__}: {e}"
+        if eager and not why:
             leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
             got = [t._local for t in leaves]
             if watch is not None and watch.found(leaves):
@@ -1256,8 +1301,9 @@ class DataParallel:
         """Run the module op by op, watching every op, without lasting effects."""
         buffers = self._slots.buffers
         undo = _Undo(buffers, args, kwargs)
-        check = _Check(data_nd)
         sizes = _batch_sizes(args, kwargs, data_nd)
+        empty_part = any(size < len(self.group(data_nd)) for size in sizes)
+        check = _Check(data_nd, sizes[0] if sizes and not empty_part else None)
         left = None  # the buffers as the forward left them
         registry.observers.append(check)
         try:
@@ -1297,7 +1343,7 @@ class DataParallel:
             losses=check.losses,
             in_modules=not check.outside_modules,
             index_inputs=check.indexed_inputs(args, kwargs),
-            empty_part=any(size < len(self.group(data_nd)) for size in sizes),
+            empty_part=empty_part,
         )
 
     # ------------------------------------------------------------ local run
