@@ -2,7 +2,7 @@
 
 mobilenet_v2 (10 classes; `--model vit`: a small vision transformer; `--model lstm`: a
 2-layer LSTM reading each image row by row, `lstm-carried` passing its final state back
-in with the next batch; `--model bags`: an EmbeddingBag of ids
+in with the next batch, `lstm-zeros` making its zero state in the forward; `--model bags`: an EmbeddingBag of ids
 quantised from the image) on 3x32x32, SGD with momentum, a batch of
 `--batch` per rank.
 Each method trains its own copy of the model from the same initial weights on the same
@@ -80,6 +80,16 @@ class CarriedLSTM(RowLSTM):
         return self.head(out[:, -1]), state
 
 
+class ZeroStateLSTM(RowLSTM):
+    """RowLSTM given its initial state as torch's tutorials make it in the forward:
+    `x.new_zeros(layers, x.size(0), hidden)` (laid out as the batch by the check)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(2, x.size(0), self.lstm.hidden_size)
+        out, _ = self.lstm(x.permute(0, 2, 1, 3).flatten(2), (h, torch.zeros_like(h)))
+        return self.head(out[:, -1])
+
+
 class TokenBags(torch.nn.Module):
     """A bag-of-words classifier: each image's first row of 3 x 32 values quantised to 96
     ids of a 2000-word vocabulary, their mean embedding (`nn.EmbeddingBag`, width 64),
@@ -113,6 +123,7 @@ MODELS = {
     ),
     "lstm": ("RowLSTM(96 -> 128, 2 layers, 10 classes)", RowLSTM, {}),
     "lstm-carried": ("CarriedLSTM(RowLSTM, its state passed back in)", CarriedLSTM, {}),
+    "lstm-zeros": ("ZeroStateLSTM(RowLSTM, new_zeros state in forward)", ZeroStateLSTM, {}),
     "bags": ("TokenBags(2000 words, EmbeddingBag width 64, MLP 128, 10 classes)", TokenBags, {}),
 }  # fmt: skip
 
