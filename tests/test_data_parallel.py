@@ -2262,12 +2262,16 @@ class ScaledByANumber(torch.nn.Module):
         self.body = MLP()
 
     def forward(self, x, scale):
+        if isinstance(scale, tuple):  # (a number and a flag, or a global tensor beside it)
+            scale = scale[0] if scale[1] is True else scale[0] * scale[1].sum()
         return self.body(x) * scale
 
 
-def test_a_number_that_changes_every_call_is_warned_about():
+@pytest.mark.parametrize("wrap", ["number", "in a tuple", "beside a global tensor"])
+def test_a_number_that_changes_every_call_is_warned_about(wrap):
     """Each new value of a number argument is a new layout, checked op by op again: after
-    a few, one warning says to pass it as a tensor; every call still equals one process."""
+    a few, one warning says to pass it as a tensor; every call still equals one process.
+    (Before, numbers inside a tuple went unwarned.)"""
     import sbp.nn
 
     P = sbp.placement("cpu", [0])
@@ -2275,15 +2279,25 @@ def test_a_number_that_changes_every_call_is_warned_about():
     plain = ScaledByANumber().double()
     model = copy.deepcopy(plain).to_global(P, B)
     x = _data(steps=1)[0][0]
+    one = torch.ones(2, dtype=torch.float64) / 2
+
+    def scale(value, g):
+        return {"number": value, "in a tuple": (value, True), "beside a global tensor": (value, g)}[
+            wrap
+        ]
+
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        outs = [model(_global(x, P), 1.0 + k / 8).full_tensor() for k in range(6)]
-        again = model(_global(x, P), 1.0).full_tensor()  # (a known value: no new check)
+        outs = [
+            model(_global(x, P), scale(1.0 + k / 8, sbp.tensor(one, P, B))).full_tensor()
+            for k in range(6)
+        ]
+        again = model(_global(x, P), scale(1.0, sbp.tensor(one, P, B))).full_tensor()  # (known)
     messages = [str(w.message) for w in seen if "number argument" in str(w.message)]
     assert len(messages) == 1 and "ScaledByANumber" in messages[0]
     assert sbp.nn.fast_path.state(model).last_path == "fast"
     for k, out in enumerate(outs):
-        torch.testing.assert_close(out, plain(x, 1.0 + k / 8), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out, plain(x, scale(1.0 + k / 8, one)), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(again, outs[0], rtol=0, atol=0)
 
 

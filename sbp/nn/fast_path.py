@@ -1004,6 +1004,23 @@ class _Slots:
                     m.__dict__["_flat_weight_refs"] = refs
 
 
+def _numbers_blanked(k: Any) -> Any:
+    """A layout key's entry (`DataParallel._layout_key`) with each number's value left out,
+    in tuples too: `(int, 5)` becomes `int`, a tuple of constants `(tuple, (5, "a"))`
+    becomes `(tuple, (int, "a"))`."""
+    if type(k) is not tuple or len(k) != 2:
+        return k
+    kind, value = k
+    if kind in (int, float):
+        return kind
+    if kind is tuple:
+        return (
+            tuple,
+            tuple(type(v) if type(v) in (int, float) else _numbers_blanked(v) for v in value),
+        )
+    return k
+
+
 def _is_constant(value: Any) -> bool:
     """Is a plain argument a value the forward can only read (a flag, a number, a name)?
     Any other object (a Hugging Face KV cache) may be written by the forward: the checking
@@ -1125,9 +1142,7 @@ class DataParallel:
         """A number argument is part of the layout (the forward may branch on it), so each
         new value is checked again, op by op: warn once where calls keep bringing new ones
         (a token count passed as an int every step), as that costs more than it saves."""
-        numbers = tuple(
-            k[0] if type(k) is tuple and len(k) == 2 and k[0] in (int, float) else k for k in key
-        )
+        numbers = tuple(map(_numbers_blanked, key))
         seen = self._numbers_seen[numbers] = self._numbers_seen.get(numbers, 0) + 1
         if len(self._numbers_seen) > 4 * LAYOUTS:
             self._numbers_seen.clear()
