@@ -1373,6 +1373,76 @@ def test_a_hard_coded_batch_size_runs_op_by_op_on_every_rank(pool2):
         assert len(said) == 1 and "its local run raised RuntimeError" in said[0], said
 
 
+class DoublesItsInput(torch.nn.Module):
+    """Writes into its input, then fails the first local run: a zero state of a fixed size
+    (torch raises on every rank) or the batch size read as a number (outputs differ)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.body, self.kind = MLP(), kind
+
+    def forward(self, x):
+        x.mul_(2)
+        if self.kind == "raises":
+            return self.body(x) + x.new_zeros(10, 3)  # (10: the logical batch)
+        return self.body(x) * x.shape[0]
+
+
+def _doubles_its_input(kind, x):
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = DoublesItsInput(kind).double().to_global(P, B)
+    g = _global(x, P)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(g)
+    return out.full_tensor(), g.full_tensor(), sbp.nn.fast_path.state(model).last_path
+
+
+@pytest.mark.parametrize("kind", ["raises", "differs"])
+def test_a_failed_first_local_run_undoes_its_write_into_the_input(pool2, kind):
+    """The local run writes into the input's local tensor, whose version the undo did not
+    read: op by op then doubled the input again (before: the output off by 21 and the
+    input quadrupled, with no error)."""
+    x = _data(steps=1)[0][0]
+    torch.manual_seed(0)
+    want_x = x.clone()
+    want = DoublesItsInput(kind).double()(want_x)
+    for out, written, path in pool2.run(_doubles_its_input, kind, x):
+        assert path == "per-op"
+        torch.testing.assert_close(written, want_x, rtol=0, atol=0)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+class ScaledPerFeature(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.linear(x) * x.new_full((4,), 2.0)  # (4 features; a batch of 4 too)
+
+
+def _scaled_per_feature(x):
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = ScaledPerFeature().double().to_global(P, B)
+    outs = [model(_global(x, P)).full_tensor() for _ in range(2)]
+    return outs, sbp.nn.fast_path.state(model).last_path
+
+
+def test_a_fill_of_the_features_size_equal_to_the_batchs_stays_on_the_fast_path(pool2):
+    """A fill is taken as laid out as the batch only where an op needs it so: this one,
+    broadcast along the features, is not (it went op by op once taken as the batch)."""
+    x = _data(n=4, steps=1)[0][0]
+    torch.manual_seed(0)
+    want = ScaledPerFeature().double()(x)
+    for outs, path in pool2.run(_scaled_per_feature, x):
+        assert path == "fast"
+        for out in outs:
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
 class CastsAndTests(torch.nn.Module):
     """Converts dtypes (as autocast and `.float()` do) and branches on a broadcast value (as
     transformers' mask code does on position ids): both the same in the local run."""

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from sbp import comm, env, gradients, local_constants, random
 from sbp.errors import LabelRangeError, PlacementError
@@ -207,9 +207,10 @@ class _Check:
 
     def __init__(self, data_nd: tuple, batch: int | None = None):
         """`batch`: the logical batch size where every part of it holds samples (see
-        `batch_fill`), else None."""
+        `fills`), else None."""
         self.data_nd = data_nd
         self.batch = batch
+        self.fills: list[GlobalTensor] = []  # (`fill_made`)
         self.reason = ""
         self.bn_counts: list[int] = []
         self.dropouts = self.losses = self.by_name_dropouts = 0
@@ -280,7 +281,8 @@ class _Check:
         expanded to the batch)? The local run expands it for its own rows, from the local
         batch size, as it sizes views; the gradient sums over the rows either way. Equal
         rows alone are not enough: rows of a zero parameter `p[:n]` are equal until
-        trained, and the local run would train rows 0..n-1 on every rank."""
+        trained, and the local run would train rows 0..n-1 on every rank. A fill made in
+        the forward of the batch's size on those dims is taken too (`fill_made`)."""
         spec = g._spec
         if spec == need or _one_rank_alike(spec, need):
             return True
@@ -293,7 +295,9 @@ class _Check:
             elif not s.is_broadcast:
                 return False
         local = g._local
-        return all(local.shape[k] <= 1 or local.stride(k) == 0 for k in dims)
+        if all(local.shape[k] <= 1 or local.stride(k) == 0 for k in dims):
+            return True
+        return self._is_batch_fill(g, dims)
 
     def custom(self, func, args) -> bool | None:
         rule = registry._resolve(func)
@@ -330,6 +334,7 @@ class _Check:
         attention, recurrent layers, embedding bags), taken as a whole where its tensors
         are laid out as the batch: nothing inside is judged; else its ops are, and a
         failure among them says why the whole was not taken."""
+        args, kwargs = self._fills_as_batch(args, kwargs)
         why = kind.why_not_row_wise(args, kwargs, self.data_nd)
         if why:
             before = self.reason
@@ -345,21 +350,38 @@ class _Check:
         finally:
             self.whole_calls -= 1
 
-    def batch_fill(self, out: Any) -> Any:
+    def fill_made(self, out: Any) -> None:
         """A fill made in the forward (`x.new_zeros(layers, x.size(0), hidden)`, an RNN's
-        initial state as torch's tutorials make it, or `torch.zeros` under global_mode):
-        broadcast, with one dim of the batch's size, it is laid out as the batch on that
-        dim. Every row holds the same value, and the local run makes it from its own batch
-        size. One made of a fixed size that happens to be the batch's is not the local
-        run's rows: with every part of the batch holding samples (`batch`), its local run
-        then meets a shard of fewer rows on every rank alike, where torch raises or the
-        outputs differ from this pass's (`DataParallel._first_local_run`: op by op)."""
-        if self.batch is None or not isinstance(out, GlobalTensor):
-            return out
-        dims = [d for d, n in enumerate(out.shape) if n == self.batch]
-        if len(dims) != 1 or not is_all_broadcast(out.sbp):
-            return out
-        return out.to_global(sbp=moved_to(self.data_nd, dims[0]))
+        initial state as torch's tutorials make it, or `torch.zeros` under global_mode) is
+        broadcast here; where an op needs it split as the batch along dims of the batch's
+        size, it is taken as laid out so (`_in_place_or_sliced`, `_fills_as_batch`): every
+        row holds the same value, and the local run makes it from its own batch size. One
+        made of a fixed size that happens to be the batch's is not the local run's rows:
+        with every part of the batch holding samples (`batch`), its local run then meets a
+        shard of fewer rows on every rank alike, where torch raises or the outputs differ
+        from this pass's (`DataParallel._first_local_run`: op by op)."""
+        if self.batch is not None and isinstance(out, GlobalTensor):
+            if is_all_broadcast(out.sbp):
+                self.fills.append(out)
+
+    def _is_batch_fill(self, g: GlobalTensor, dims) -> bool:
+        return all(g.shape[d] == self.batch for d in dims) and any(g is f for f in self.fills)
+
+    def _fills_as_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A whole call's arguments with each fill of one dim of the batch's size laid out
+        as the batch on that dim (a recurrent layer's initial state)."""
+
+        def as_batch(a):
+            if not isinstance(a, GlobalTensor):
+                return a
+            dims = [d for d, n in enumerate(a.shape) if n == self.batch]
+            if len(dims) != 1 or not self._is_batch_fill(a, dims):
+                return a
+            return a.to_global(sbp=moved_to(self.data_nd, dims[0]))
+
+        if not self.fills:
+            return args, kwargs
+        return tree_map(as_batch, (args, kwargs))
 
     def _batch_moved(self, x: GlobalTensor) -> bool:
         """Is `x` laid out as the batch moved to another dim (`x.transpose(0, 1)` of a
@@ -450,7 +472,7 @@ class _WholeCalls(TorchFunctionMode):
       composite whose `bernoulli_` the check sees (`_Run.attention`);
     - `F.multi_head_attention_forward`, torch's recurrent functions (`torch.lstm`, ...) and
       `F.embedding_bag` are taken as a whole (`_Check.whole_call`);
-    - a fill of the batch's size is laid out as the batch (`_Check.batch_fill`)."""
+    - a fill is noted (`_Check.fill_made`)."""
 
     def __init__(self, check: _Check):
         super().__init__()
@@ -465,9 +487,10 @@ class _WholeCalls(TorchFunctionMode):
         kind = _WHOLE_CALLS.get(func)
         if kind is not None:
             return self.check.whole_call(kind, func, args, kwargs)
+        out = func(*args, **kwargs)
         if func in _FILLS:
-            return self.check.batch_fill(func(*args, **kwargs))
-        return func(*args, **kwargs)
+            self.check.fill_made(out)
+        return out
 
 
 class _Depth:
@@ -811,10 +834,11 @@ class _Undo:
     def __init__(self, buffers: list, args: tuple, kwargs: dict):
         self.buffers = buffers
         self.saved = [b._local.clone() for b in buffers]
-        # (a global tensor's version counts writes; its local's misses those through sbp;
-        # an inference tensor has none, and no write of it can be undone: none is allowed)
+        # (a global tensor's version counts writes through sbp (the checking pass), its
+        # local's those of the local run; an inference tensor has none, and no write of it
+        # can be undone: none is allowed)
         self.inputs = [
-            (a, a._version, a._local.clone())
+            (a, (a._version, a._local._version), a._local.clone())
             for _, a in _global_inputs(args, kwargs)
             if not a.is_inference()
         ]
@@ -823,8 +847,8 @@ class _Undo:
     def __call__(self) -> None:
         for b, s in zip(self.buffers, self.saved, strict=True):
             b._local.copy_(s)
-        for g, version, saved in self.inputs:
-            if g._version != version:
+        for g, versions, saved in self.inputs:
+            if (g._version, g._local._version) != versions:
                 g._local.copy_(saved)
         random._state.update(self.rng)
 
@@ -1160,7 +1184,7 @@ class DataParallel:
         rank's parts, and the buffers it left) and undone where they differ: the module then
         runs op by op, as for a failed check. The check cannot see a forward that reads the
         batch size as a number (`h * h.shape[0]`: the logical size there, the local one
-        here), or a fill of a fixed size equal to the batch's (`_Check.batch_fill`). An
+        here), or a fill of a fixed size equal to the batch's (`_Check.fill_made`). An
         error in a forward that makes no collective (no BatchNorm over the batch, no loss)
         sends every rank op by op, as a difference does; in one that does, it raises as it
         is: it may be one rank's alone (a shard with no rows), and the others wait inside
