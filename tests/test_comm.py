@@ -158,6 +158,8 @@ def _small_all_reduces(ranks):
     me = sbp.env.get_rank()
     if me not in ranks:
         return None
+    known = shm._segments.get(tuple(sorted(ranks)))  # (earlier tests may have used it)
+    before = known[1].calls if known is not None and known[1] is not None else 0
     out = {}
     for dtype in (torch.float64, torch.float32, torch.int64):
         t = (torch.arange(6, dtype=torch.float64) * (me + 1) - me).to(dtype)
@@ -167,7 +169,8 @@ def _small_all_reduces(ranks):
     out["max"] = comm.all_reduce(nan.clone(), "max", ranks)
     out["min"] = comm.all_reduce(nan.clone(), "min", ranks)
     segment = shm._segments[tuple(sorted(ranks))][1]
-    out["path"] = "shared memory" if segment is not None and segment.calls == 5 else "gloo"
+    shared = segment is not None and segment.calls - before == 5
+    out["path"] = "shared memory" if shared else "gloo"
     return out
 
 
