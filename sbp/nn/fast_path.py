@@ -297,7 +297,7 @@ class _Check:
         local = g._local
         if all(local.shape[k] <= 1 or local.stride(k) == 0 for k in dims):
             return True
-        return self._is_batch_fill(g, dims)
+        return all(g.shape[k] == self.batch for k in dims) and self._is_fill(g)
 
     def custom(self, func, args) -> bool | None:
         rule = registry._resolve(func)
@@ -360,12 +360,11 @@ class _Check:
         with every part of the batch holding samples (`batch`), its local run then meets a
         shard of fewer rows on every rank alike, where torch raises or the outputs differ
         from this pass's (`DataParallel._first_local_run`: op by op)."""
-        if self.batch is not None and isinstance(out, GlobalTensor):
-            if is_all_broadcast(out.sbp):
-                self.fills.append(out)
+        if self.batch is not None and isinstance(out, GlobalTensor) and is_all_broadcast(out.sbp):
+            self.fills.append(out)
 
-    def _is_batch_fill(self, g: GlobalTensor, dims) -> bool:
-        return all(g.shape[d] == self.batch for d in dims) and any(g is f for f in self.fills)
+    def _is_fill(self, g: GlobalTensor) -> bool:
+        return any(g is f for f in self.fills)
 
     def _fills_as_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A whole call's arguments with each fill of one dim of the batch's size laid out
@@ -375,7 +374,7 @@ class _Check:
             if not isinstance(a, GlobalTensor):
                 return a
             dims = [d for d, n in enumerate(a.shape) if n == self.batch]
-            if len(dims) != 1 or not self._is_batch_fill(a, dims):
+            if len(dims) != 1 or not self._is_fill(a):
                 return a
             return a.to_global(sbp=moved_to(self.data_nd, dims[0]))
 
@@ -1200,7 +1199,7 @@ class DataParallel:
         except Exception as e:
             if layout.bn_counts or layout.losses:
                 raise
-            out, watch, expected = None, None, None
+            out = None  # (never returned: this rank's verdict sends every rank op by op)
             why = f"its local run raised {type(e).__name__}: {e}"
         if eager and not why:
             leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
