@@ -114,6 +114,34 @@ def test_meta_mismatch_raises_on_every_rank(pool4):
         assert "sbp" not in got.split("dtype differs")[1]
 
 
+def _arrivals():
+    """Every rank arrives; rank 0 gives up before the others come; two ranks alone; all
+    again (the calls stay numbered alike after a give-up)."""
+    import time
+
+    from sbp.comm import arrival
+
+    me, world = sbp.env.get_rank(), (0, 1, 2, 3)
+    verdicts = [arrival.arrived_together(world, 30.0)]
+    if me == 0:
+        verdicts.append(arrival.arrived_together(world, 0.2, "rank 0 raised ValueError"))
+    else:
+        time.sleep(0.8)
+        verdicts.append(arrival.arrived_together(world, 30.0, f"rank {me} gave up"))
+    if me in (1, 3):
+        verdicts.append(arrival.arrived_together((3, 1), 30.0))
+    verdicts.append(arrival.arrived_together(world, 30.0))
+    return verdicts
+
+
+def test_ranks_learn_through_the_store_whether_all_arrived(pool4):
+    from sbp.comm.arrival import ALL
+
+    for rank, got in enumerate(pool4.run(_arrivals)):
+        gave_up = "rank 0 raised ValueError"
+        assert got == ([ALL, gave_up, ALL, ALL] if rank in (1, 3) else [ALL, gave_up, ALL])
+
+
 def _long_ints(n):
     me = sbp.env.get_rank()
     return comm.exchange({"k": 1}, (0, 1, 2, 3), ints=list(range(me, me + n)))

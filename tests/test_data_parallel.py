@@ -1275,7 +1275,7 @@ class ExpandsToTheBatch(torch.nn.Module):
 
     def forward(self, x):
         kind = self.kind
-        n = 10 if kind == "hard-coded" else x.shape[0]  # (10: the logical batch)
+        n = 10 if kind.startswith("hard-coded") else x.shape[0]  # (10: the logical batch)
         if kind in ("as a number", "with -inf"):
             out = self.body(x) * n + self.token.expand(n, -1)
             return out.masked_fill(torch.ones_like(out, dtype=torch.bool).tril(-9), -1e300)
@@ -1286,6 +1286,8 @@ class ExpandsToTheBatch(torch.nn.Module):
         if kind == "writes its input":
             x.sub_(1.0)
         h = self.body(x + self.types.expand(n, -1))
+        if kind == "hard-coded, then BatchNorm":
+            h = self.norm(h)
         if kind == "queue":
             self.queue[:n] = h.detach()
         elif kind == "adds into a queue":
@@ -1349,10 +1351,10 @@ def test_the_check_itself_refuses_batch_rows_written_into_a_buffer(pool2, kind):
         assert len(messages) == 1 and want in messages[0], messages
 
 
-def _hard_coded_batch(x):
+def _hard_coded_batch(x, kind):
     P = sbp.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    model = ExpandsToTheBatch("hard-coded").double().to_global(P, B)
+    model = ExpandsToTheBatch(kind).double().to_global(P, B)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         outs = [model(_global(x, P)).full_tensor() for _ in range(2)]
@@ -1360,13 +1362,16 @@ def _hard_coded_batch(x):
     return outs, sbp.nn.fast_path.state(model).last_path, said
 
 
-def test_a_hard_coded_batch_size_runs_op_by_op_on_every_rank(pool2):
+@pytest.mark.parametrize("kind", ["hard-coded", "hard-coded, then BatchNorm"])
+def test_a_hard_coded_batch_size_runs_op_by_op_on_every_rank(pool2, kind):
     """The check sees the logical batch; the local run's shapes do not fit, on every rank,
-    and torch raises there: every rank goes op by op, saying so (before: the error)."""
+    and torch raises there: every rank goes op by op, saying so (before: the error). Also
+    where the local run holds collectives (BatchNorm over the batch): the ranks learn that
+    all of them left the run through the store, before any meets the verdict's all-reduce."""
     x = _data(steps=1)[0][0]
     torch.manual_seed(0)
-    want = ExpandsToTheBatch("hard-coded").double()(x)
-    for outs, path, said in pool2.run(_hard_coded_batch, x):
+    want = ExpandsToTheBatch(kind).double()(x)
+    for outs, path, said in pool2.run(_hard_coded_batch, x, kind):
         for out in outs:
             torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
         assert path == "per-op"

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import cost, functional, shm, stats
+from sbp.comm import arrival, cost, functional, shm, stats
 from sbp.comm.groups import get_group, group_order
 from sbp.errors import CommTimeoutError, PlacementError
 
@@ -72,8 +72,10 @@ def _ranks_not_reporting(ranks: Ranks) -> list[int] | None:
     _failures[key] += 1
     prefix = f"sbp/failed/{key}/{n}/"
     me = env.get_rank()
+    store = arrival.default_store()
+    if store is None:
+        return None
     try:
-        store = dist.distributed_c10d._get_default_store()
         store.set(prefix + str(me), "1")
         window = min(env.get_timeout().total_seconds() / 2, REPORT_WINDOW_S)
         deadline = time.monotonic() + window

@@ -52,7 +52,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from sbp import comm, env, gradients, local_constants, random
-from sbp.errors import LabelRangeError, PlacementError
+from sbp.comm import arrival
+from sbp.errors import CommTimeoutError, LabelRangeError, PlacementError, SbpError
 from sbp.layout import GlobalSpec
 from sbp.nn import (
     compiled_batch_norm,
@@ -83,6 +84,7 @@ LAYOUTS = 64  # input layouts remembered per module (LRU)
 # the helper, call, __call__, the module's forward, and torch's _call_impl, _wrapped_call_impl
 CALLER = 7
 NEW_NUMBERS_WARNED = 4  # layouts differing only in a number's value, before a warning
+FIRST_RUN_WINDOW_S = 10.0  # how long a rank whose first local run raised waits for the others
 # output values besides tensors that the local run may return as they are
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 # argument values besides tensors that the forward can only read (a flag, a name, a function)
@@ -1184,23 +1186,27 @@ class DataParallel:
         runs op by op, as for a failed check. The check cannot see a forward that reads the
         batch size as a number (`h * h.shape[0]`: the logical size there, the local one
         here), or a fill of a fixed size equal to the batch's (`_Check.fill_made`). An
-        error in a forward that makes no collective (no BatchNorm over the batch, no loss)
-        sends every rank op by op, as a difference does; in one that does, it raises as it
-        is: it may be one rank's alone (a shard with no rows), and the others wait inside
-        the run's collectives, where a rank's verdict would meet them."""
+        error there sends every rank op by op, as a difference does, but sbp's own errors
+        (a bad label: raised on every rank together) are raised as they are. Where the
+        run holds collectives (BatchNorm over the batch, a loss), the others may be
+        waiting inside one of them for a rank that raised, where the verdict's all-reduce
+        must not meet them: the ranks first learn through the store that all of them left
+        the run (`_left_together`)."""
         expected, layout.expected = layout.expected, None
         undo = _Undo(self._slots.buffers, args, kwargs)
         eager = self._eager(backend)
         watch = recomputation.Recomputation() if eager and torch.is_grad_enabled() else None
-        why = ""
+        why, error = "", None
         try:
             with watch or contextlib.nullcontext():
                 out = self._run_local(args, kwargs, layout, data_nd, backend)
+        except SbpError:
+            raise
         except Exception as e:
-            if layout.bn_counts or layout.losses:
-                raise
-            out = None  # (never returned: this rank's verdict sends every rank op by op)
+            out, error = None, e  # (out never returned: this rank's verdict goes op by op)
             why = f"its local run raised {type(e).__name__}: {e}"
+        if layout.bn_counts or layout.losses:
+            self._left_together(error)
         if eager and not why:
             leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
             got = [t._local for t in leaves]
@@ -1225,6 +1231,30 @@ class DataParallel:
             stacklevel=CALLER,
         )
         return self._per_op(args, kwargs, backend)
+
+    def _left_together(self, error: Exception | None) -> None:
+        """Return once every rank of the placement has left the first local run, asked
+        through the store; raise where a rank gave up waiting: `error` where this rank
+        raised it, else `CommTimeoutError` naming the rank that gave up. A rank that
+        raised waits `FIRST_RUN_WINDOW_S` (the others may be waiting for it inside a
+        collective of the run, until their timeout); one that did not, the timeout."""
+        timeout = env.get_timeout().total_seconds()
+        me = f"rank {env.get_rank()}"
+        if error is None:
+            window, gave_up = timeout, f"{me} waited the timeout of {timeout} s"
+        else:
+            window = min(timeout / 2, FIRST_RUN_WINDOW_S)
+            gave_up = f"{me}'s local run raised {type(error).__name__}: {error}"
+        verdict = arrival.arrived_together(self.placement.flat_ranks, window, gave_up)
+        if verdict == arrival.ALL:
+            return
+        if error is not None:
+            raise error
+        if verdict is not None:  # (None: no store; the verdict's all-reduce then tells)
+            raise CommTimeoutError(
+                f"{type(self._module_ref).__name__}'s first local run on the fast path: "
+                f"another rank did not leave it in time ({verdict})"
+            )
 
     def _eager(self, backend) -> bool:
         """Does this call run the local forward eagerly? (A compiled one draws dropout masks
@@ -1862,8 +1892,6 @@ def data_parallel(
     forward on local tensors through `torch.compile` (plain tensors, as compiled torch
     DDP), and everything around it eagerly; False (default) turns it off.
     """
-    from sbp.errors import SbpError
-
     if compile is not None and not isinstance(compile, (bool, dict)):
         raise SbpError(
             f"compile must be True, False or a dict of torch.compile options, got {compile!r}"
