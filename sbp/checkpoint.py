@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sbp import env
+from sbp import env, optim_step
 from sbp.boxing.executor import empty_local, local_device
 from sbp.errors import MetaMismatchError, PlacementError, SbpError, SbpSignatureError
 from sbp.layout import GlobalSpec
@@ -138,6 +138,7 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
     for k, v in state.items():
         kept = None
         if isinstance(v, torch.optim.Optimizer):
+            optim_step.repoint(v)  # (made before to_global: its state is for the global ones)
             kept = _saved_parameter_states(saved, k)
             created.append((v, _init_optimizer_state(v, kept)))
         sd[k] = _map_tensors(_state_dict_of(v, kept), loadable)

@@ -242,16 +242,27 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train_global(
-    opt_name: str, load_dir, save_dir: str, steps: range, split_fc1: bool, held=False
+    opt_name: str,
+    load_dir,
+    save_dir: str,
+    steps: range,
+    split_fc1: bool,
+    held=False,
+    optimizer_first=False,
 ):
     """Data-parallel steps on the whole world; fc1.weight split(0) over ranks if asked;
-    with `held`, the parameters hold gradients (of a backward) when the state is loaded."""
+    with `held`, the parameters hold gradients (of a backward) when the state is loaded;
+    with `optimizer_first`, the optimizer is made before `to_global` (of the plain ones)."""
     P = sbp.placement.all("cpu")
-    model = _model().to_global(P, B)  # then fc1.weight re-split (to_global re-boxes globals)
+    model = _model()
+    if optimizer_first:
+        opt = _optimizer(opt_name, model.parameters())
+    model.to_global(P, B)  # then fc1.weight re-split (to_global re-boxes globals)
     if split_fc1:
         w = model.fc1.weight.detach()
         model.fc1.weight = torch.nn.Parameter(w.to_global(sbp=S0))
-    opt = _optimizer(opt_name, model.parameters())
+    if not optimizer_first:
+        opt = _optimizer(opt_name, model.parameters())
     batches = _batches()
     if held:
         x = sbp.to_global(batches[0][0], P, B)
@@ -311,6 +322,18 @@ def test_resume_into_parameters_holding_gradients(opt_name, pool2, tmp_path):
     a, b = (str(tmp_path / n) for n in "ab")
     pool2.run(_train_global, opt_name, None, a, range(0, 3), False)
     params, _ = pool2.run(_train_global, opt_name, a, b, range(3, 6), False, True)[0]
+    for got, ref in zip(params, _train_one_process(opt_name), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_resume_into_an_optimizer_made_before_to_global(opt_name, pool2, tmp_path):
+    """The optimizer holds the plain parameters until its next step points it at the global
+    ones (`sbp.optim_step.repoint`); the load points it first (before: it made no state
+    for the global parameters, and the load dropped the saved state, silently)."""
+    a, b = (str(tmp_path / n) for n in "ab")
+    pool2.run(_train_global, opt_name, None, a, range(0, 3), False)
+    params, _ = pool2.run(_train_global, opt_name, a, b, range(3, 6), False, False, True)[0]
     for got, ref in zip(params, _train_one_process(opt_name), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
