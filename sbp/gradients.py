@@ -10,6 +10,7 @@ every such gradient whole. Every rank sees the same leaves in the same order
 The data-parallel fast path computes gradients on plain local leaves and sums them
 with a `Reducer`; the sums wait, plain, until `.grad` is read (`take_waiting`). On one
 rank nothing is summed: each gradient waits in its leaf's `.grad`, where autograd put it.
+A `.grad` a parameter already holds gets the sum at once, as torch accumulates into it.
 """
 
 from __future__ import annotations
@@ -433,6 +434,12 @@ class Reducer:
                 self._empty_leaves(self._keep_partial)
             elif not self.exclusive:  # (else, the usual step, they stay in the leaves)
                 self._empty_leaves(self._wait)
+            elif not all(map(is_, map(TORCH_GRAD.__get__, self.params), repeat(None))):
+                for i, (p, leaf) in enumerate(zip(self.params, self.leaves, strict=True)):
+                    grad = TORCH_GRAD.__get__(leaf)  # (into the `.grad` held: see `_wait`)
+                    if grad is not None and TORCH_GRAD.__get__(p) is not None:
+                        TORCH_GRAD.__set__(leaf, None)
+                        self._wait(i, grad)
         finally:
             self._queued = False
             if self.on_finish is not None:
@@ -498,8 +505,20 @@ class Reducer:
         self._refs[b] = _held(flat, [self._slots[j] for j in members])
 
     def _wait(self, i: int, grad: torch.Tensor) -> None:
-        """Parameter i's summed gradient waits on it, plain (see `take_waiting`)."""
+        """Parameter i's summed gradient waits on it, plain (see `take_waiting`); where it
+        holds a `.grad` (`zero_grad(set_to_none=False)`, no_sync steps), it goes into that
+        one at once, as torch accumulates: a reference kept to it sees this backward. A
+        partial one from no_sync steps was summed into `grad` (`_launch`): it takes the
+        sum, whole."""
         p = self.params[i]
+        current = TORCH_GRAD.__get__(p)
+        if current is not None:
+            if current._spec.nd_sbp == self.partial_nd:
+                current._local.copy_(grad)
+                current._spec = current._spec._replace(nd_sbp=p._spec.nd_sbp)
+            else:
+                current._local.add_(grad)
+            return
         waiting = p._waiting_grad
         if waiting is None:
             object.__setattr__(p, "_waiting_grad", grad)
@@ -517,8 +536,7 @@ class Reducer:
                     slot.add_(earlier)
                 else:
                     slot.copy_(earlier)
-                self._filled.add(i)
-                self.params[i].grad = None
+                self._filled.add(i)  # (`_wait` gives that `.grad` the sum)
             elif i not in self._filled:  # unused in this backward on this rank
                 slot.zero_()
             used.append(1 if i in self._filled else 0)
@@ -566,11 +584,11 @@ class Reducer:
             p.grad = GlobalTensor(grad.detach().clone(), spec)
         elif p.grad._spec.nd_sbp == self.partial_nd:
             p.grad._local.add_(grad)
-        else:  # a whole gradient from before no_sync: add this rank's part once
-            whole = GlobalTensor(
-                grad.detach().clone(), p.grad._spec._replace(nd_sbp=self.partial_nd)
-            )
-            p.grad = p.grad.to_global(sbp=self.partial_nd) + whole
+        else:  # a whole gradient from before no_sync: a partial sum of it, in place
+            held = p.grad
+            share = held.to_global(sbp=self.partial_nd)  # (local: no communication)
+            held._local.copy_(share._local).add_(grad)
+            held._spec = share._spec
 
 
 def _held(flat: torch.Tensor, slots: list[torch.Tensor]) -> tuple[int, int] | None:

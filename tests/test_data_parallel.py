@@ -639,6 +639,65 @@ def test_no_sync_accumulates_micro_batches(pool2, world):
     assert _rel(grads, [p.grad for p in model.parameters()]) < 1e-12
 
 
+def _held_grads(world, kind, loss):
+    """References to every `.grad` kept after a backward, then the next (after
+    `zero_grad(set_to_none=False)`; after one under `no_sync`; or a synchronised one, then
+    one under no_sync, then the next): the held tensors' values, read before any `.grad`
+    is, whether `.grad` is still each, and then the `.grad` values."""
+    import sbp.nn
+
+    P = sbp.placement("cpu", list(range(world)))
+    torch.manual_seed(0)
+    model = MLP().double().to_global(P, B)
+    batches = _data(steps=3)
+    if kind == "no_sync":
+        with sbp.nn.no_sync(model):
+            loss(model, *batches[0], P).backward()
+    else:
+        loss(model, *batches[0], P).backward()
+    held = [p.grad for p in model.parameters()]
+    if kind == "zero_grad(set_to_none=False)":
+        model.zero_grad(set_to_none=False)
+    if kind == "synchronised, no_sync":
+        with sbp.nn.no_sync(model):
+            loss(model, *batches[2], P).backward()
+    loss(model, *batches[1], P).backward()
+    values = [g.full_tensor().clone() for g in held]  # (a broadcast one's is its local)
+    same = all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))
+    values += [p.grad.full_tensor() for p in model.parameters()]  # (read: nothing added twice)
+    return values, same, sbp.nn.fast_path.state(model).last_path
+
+
+def _squares(model, x, y, P):
+    """A loss taken op by op on the global output (`_loss`: on the fast path's twin)."""
+    return model(_global(x, P)).square().mean()
+
+
+@pytest.mark.parametrize("loss", [_loss, _squares], ids=["cross_entropy", "squares"])
+@pytest.mark.parametrize(
+    "kind", ["zero_grad(set_to_none=False)", "no_sync", "synchronised, no_sync"]
+)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_held_grad_gets_the_next_backward_as_in_torch(pool2, world, kind, loss):
+    """Torch accumulates into the `.grad` tensor a parameter holds: a reference kept to it
+    sees the next backward's gradient (before: it stayed stale until `.grad` was read,
+    as the reducer left the sum waiting beside it; around no_sync `.grad` became another
+    tensor)."""
+    batches = _data(steps=3)
+    torch.manual_seed(0)
+    model = MLP().double()
+    plain = F.cross_entropy if loss is _loss else lambda out, y: out.square().mean()
+    plain(model(batches[0][0]), batches[0][1]).backward()
+    if kind == "zero_grad(set_to_none=False)":
+        model.zero_grad(set_to_none=False)
+    if kind == "synchronised, no_sync":
+        plain(model(batches[2][0]), batches[2][1]).backward()
+    plain(model(batches[1][0]), batches[1][1]).backward()
+    for values, same, path in pool2.run(_held_grads, world, kind, loss)[:world]:
+        assert path == "fast" and same
+        assert _rel(values, [p.grad for p in model.parameters()] * 2) < 1e-12
+
+
 class Branches(torch.nn.Module):
     """`unused` takes part in no forward; `aux` is returned broadcast, from parameters alone."""
 
