@@ -1437,6 +1437,68 @@ def test_a_hard_coded_batch_size_runs_op_by_op_on_every_rank(pool2, kind):
         assert len(said) == 1 and "its local run raised RuntimeError" in said[0], said
 
 
+class FlattensByView(torch.nn.Module):
+    """`h.view(h.size(0), -1)` after BatchNorm: torch raises on an empty shard (-1 is then
+    any size), on that rank alone, after the BatchNorm's collectives; `constant`: adds a
+    constant made global in the forward, which the local run mixes with local tensors."""
+
+    def __init__(self, constant=False):
+        super().__init__()
+        self.bn, self.fc, self.constant = torch.nn.BatchNorm1d(2), torch.nn.Linear(8, 3), constant
+
+    def forward(self, x):
+        h = self.bn(x)
+        out = self.fc(h.view(h.size(0), -1))
+        if self.constant:
+            P = sbp.placement("cpu", [0, 1])
+            out = out + sbp.to_global(torch.ones(3, dtype=out.dtype), P, B)
+        return out
+
+
+def _first_run_raising_on_one_rank(x, batch_norm, constant):
+    import sbp.nn
+
+    P = sbp.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = FlattensByView(constant).double().to_global(P, B)
+    sbp.nn.data_parallel(model, batch_norm=batch_norm)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = model(_global(x, P))
+        out.square().sum().backward()
+    said = [str(w.message) for w in seen if "runs op by op" in str(w.message)]
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    running = model.bn.running_mean.full_tensor()
+    return sbp.nn.fast_path.state(model).last_path, said, out.full_tensor(), grads, running
+
+
+@pytest.mark.parametrize(
+    "batch_norm, n, constant",
+    [("local", 1, False), ("global", 1, False), ("global", 4, True)],
+    ids=["per-shard BN, empty shard", "logical BN, empty shard", "a global constant"],
+)
+def test_a_first_local_run_raising_on_some_ranks_runs_op_by_op_on_all(
+    pool2, batch_norm, n, constant
+):
+    """After the BatchNorm's collectives, one rank's local run raises (an empty shard) or
+    every rank's does (sbp's PlacementError: a constant made global meets local tensors):
+    every rank runs op by op, equal to one process. Before: with per-shard BatchNorm the
+    other rank had started the running statistics' broadcast, which met the verdict's
+    all-reduce (both waited out the timeout); the PlacementError was raised."""
+    x = torch.randn(n, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    ref = FlattensByView().double()
+    want = ref(x) + (1 if constant else 0)
+    want.square().sum().backward()
+    for path, said, out, grads, running in pool2.run(
+        _first_run_raising_on_one_rank, x, batch_norm, constant
+    ):
+        assert path == "per-op" and len(said) == 1, said
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+        assert _rel(grads, [p.grad for p in ref.parameters()]) < 1e-12
+        torch.testing.assert_close(running, ref.bn.running_mean, rtol=1e-12, atol=1e-14)
+
+
 class DoublesItsInput(torch.nn.Module):
     """Writes into its input, then fails the first local run: a zero state of a fixed size
     (torch raises on every rank) or the batch size read as a number (outputs differ)."""

@@ -53,7 +53,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from sbp import comm, env, gradients, local_constants, random
 from sbp.comm import arrival
-from sbp.errors import CommTimeoutError, LabelRangeError, PlacementError, SbpError
+from sbp.errors import (
+    CommTimeoutError,
+    IndexRangeError,
+    LabelRangeError,
+    PlacementError,
+    SbpError,
+)
 from sbp.layout import GlobalSpec
 from sbp.nn import (
     compiled_batch_norm,
@@ -85,6 +91,9 @@ LAYOUTS = 64  # input layouts remembered per module (LRU)
 CALLER = 7
 NEW_NUMBERS_WARNED = 4  # layouts differing only in a number's value, before a warning
 FIRST_RUN_WINDOW_S = 10.0  # how long a rank whose first local run raised waits for the others
+# sbp's verdicts on the data, raised on every rank together (op by op would raise them too),
+# and a failed collective: raised as they are from a first local run
+RAISED_AS_THEY_ARE = (LabelRangeError, IndexRangeError, CommTimeoutError)
 # output values besides tensors that the local run may return as they are
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 # argument values besides tensors that the forward can only read (a flag, a name, a function)
@@ -1186,27 +1195,29 @@ class DataParallel:
         runs op by op, as for a failed check. The check cannot see a forward that reads the
         batch size as a number (`h * h.shape[0]`: the logical size there, the local one
         here), or a fill of a fixed size equal to the batch's (`_Check.fill_made`). An
-        error there sends every rank op by op, as a difference does, but sbp's own errors
-        (a bad label: raised on every rank together) are raised as they are. Where the
+        error there sends every rank op by op, as a difference does, but a bad label or
+        index, or a failed collective (`RAISED_AS_THEY_ARE`) is raised as it is. Where the
         run holds collectives (BatchNorm over the batch, a loss), the others may be
         waiting inside one of them for a rank that raised, where the verdict's all-reduce
         must not meet them: the ranks first learn through the store that all of them left
         the run (`_left_together`)."""
-        expected, layout.expected = layout.expected, None
+        expected = layout.expected
         undo = _Undo(self._slots.buffers, args, kwargs)
         eager = self._eager(backend)
-        watch = recomputation.Recomputation() if eager and torch.is_grad_enabled() else None
-        why, error = "", None
+        grad = torch.is_grad_enabled()
+        watch = recomputation.Recomputation() if eager and grad else None
+        why, error, statistics = "", None, []
         try:
             with watch or contextlib.nullcontext():
-                out = self._run_local(args, kwargs, layout, data_nd, backend)
-        except SbpError:
+                out = self._run_local(args, kwargs, layout, data_nd, backend, statistics)
+        except RAISED_AS_THEY_ARE:
             raise
         except Exception as e:
             out, error = None, e  # (out never returned: this rank's verdict goes op by op)
             why = f"its local run raised {type(e).__name__}: {e}"
         if layout.bn_counts or layout.losses:
             self._left_together(error)
+        layout.expected = None  # (compared once: a run that raised above keeps it)
         if eager and not why:
             leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
             got = [t._local for t in leaves]
@@ -1220,10 +1231,9 @@ class DataParallel:
         flag = torch.tensor([float(bool(why))])  # (every rank of the placement goes one way)
         if comm.all_reduce(flag, "max", self.placement.flat_ranks).item() == 0:
             layout.tried = True
+            if statistics:
+                self._sync_statistics(statistics, data_nd, grad)
             return out
-        if self._buffers_in_flight is not None:  # (the undone run's statistics: dropped)
-            self._buffers_in_flight[0].wait()
-            self._buffers_in_flight = None
         undo()
         layout.ok, layout.reason = False, why or "its local run differs on another rank"
         warnings.warn(
@@ -1443,7 +1453,12 @@ class DataParallel:
         self._reducer.on_finish = self.settle_buffers
         self._reducer.forward_started()
 
-    def _run_local(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
+    def _run_local(
+        self, args, kwargs, layout: Layout, data_nd: tuple, backend=None, statistics=None
+    ):
+        """Run the forward on local tensors. Per-shard running statistics are then
+        broadcast from the first rank, or, given a `statistics` list, put in it (a first
+        run: a collective must not start before every rank's verdict)."""
         grad = torch.is_grad_enabled()
         self._prepare_reducer(data_nd)
         run = _Run(self, layout, data_nd)
@@ -1496,13 +1511,19 @@ class DataParallel:
                 "{} {} and {} when the layout was checked (use sbp.nn.data_parallel(module, "
                 "fast=False))".format(*ran, *checked)
             )
-        if run.to_sync:
-            # while a backward follows (it settles them); else at once
-            backward_follows = grad and self._reducer is not None and bool(self._reducer.params)
-            self._broadcast_buffers(run.to_sync, data_nd)
-            if not backward_follows:
-                self.settle_buffers()
+        if statistics is not None:
+            statistics += run.to_sync
+        elif run.to_sync:
+            self._sync_statistics(run.to_sync, data_nd, grad)
         return self._wrap(out, layout, data_nd, grad)
+
+    def _sync_statistics(self, to_sync: list, data_nd: tuple, grad: bool) -> None:
+        """The first rank's running statistics, broadcast while a backward follows (it
+        settles them), else at once."""
+        backward_follows = grad and self._reducer is not None and bool(self._reducer.params)
+        self._broadcast_buffers(to_sync, data_nd)
+        if not backward_follows:
+            self.settle_buffers()
 
     def _compiled_forward(self, run: _Run, layout: Layout, backend=None):
         """The module's forward compiled for local tensors (`data_parallel(module,
