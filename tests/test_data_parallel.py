@@ -2746,28 +2746,46 @@ class _NormedMLP(torch.nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def _inference_mode_outputs(x, P):
+def _inference_mode_outputs(x, P, modes):
+    """The model's outputs in eval mode under each of `modes` in turn, and (global) the
+    paths taken and the warnings that a call runs op by op."""
     torch.manual_seed(0)
     model = _NormedMLP().double().eval()
     if P is not None:
         model.to_global(P, B)
-    with torch.inference_mode():
-        out = model(_global(x, P) if P is not None else x)  # (the input made inside)
-        return out.full_tensor() if P is not None else out
+    outs, paths = [], []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for mode in modes:
+            with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]():
+                out = model(_global(x, P) if P is not None else x)  # (the input made inside)
+                outs.append(out.full_tensor() if P is not None else out)
+            if P is not None:
+                paths.append(sbp.nn.fast_path.state(model).last_path)
+    said = [str(w.message) for w in seen if "runs op by op" in str(w.message)]
+    return outs, paths, said
 
 
+@pytest.mark.parametrize(
+    "modes", [("inference_mode",) * 2, ("no_grad", "inference_mode")], ids=["alone", "after"]
+)
 @pytest.mark.parametrize("world", [1, 2])
-def test_inference_mode_with_the_input_made_inside(request, world):
+def test_inference_mode_with_the_input_made_inside(request, world, modes):
     """The fast path's first call keeps each global input's version to undo its writes;
-    an inference tensor has none ("Inference tensors do not track version counter")."""
+    an inference tensor has none ("Inference tensors do not track version counter"), nor
+    has an output of the local run (a layout checked under no_grad and run under
+    inference_mode: it crashed). Under inference_mode `F.linear` reaches sbp whole, as
+    torch's composite op: the check watches the ops of its definition (it ran op by op)."""
     x = _data(steps=1)[0][0]
-    want = _inference_mode_outputs(x, None)
+    want, _, _ = _inference_mode_outputs(x, None, modes)
 
     def run():
-        return _inference_mode_outputs(x, sbp.placement("cpu", list(range(world))))
+        return _inference_mode_outputs(x, sbp.placement("cpu", list(range(world))), modes)
 
-    for got in request.getfixturevalue(f"pool{world}").run(run):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    for got, paths, said in request.getfixturevalue(f"pool{world}").run(run)[:world]:
+        assert paths == ["fast"] * len(modes) and said == []
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
 
 
 def test_no_sync_of_a_module_that_is_not_global_is_named():

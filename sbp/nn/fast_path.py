@@ -77,6 +77,7 @@ from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
 from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy
+from sbp.ops.decomposed import composite_definition
 from sbp.ops.nn import nll_layout, shard_seed
 from sbp.ops.out_variants import out_variant
 from sbp.placement import placement as Placement
@@ -317,6 +318,8 @@ class _Check:
             return
         if rule is out_variant:  # (its functional op and the copy into `out` are watched;
             return  # an `out` of another shape takes the result's layout, as local runs do)
+        if rule is composite_definition:  # (`F.linear` under inference mode: the ops of
+            return  # its definition are watched, as autograd's dispatch would have run them)
         if func in self.OF_BROADCAST_VALUES and is_all_broadcast(args[0].sbp):
             return True  # (not the ops sbp's rule runs: the local run calls torch's)
         if func in self.LOSSES:

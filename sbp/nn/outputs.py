@@ -241,8 +241,9 @@ def wrap(
     owner: Any,
 ) -> GlobalTensor:
     """The global output of local output `t`, differentiable where `t` requires grad and
-    grad mode is on; a FastPathOutput remembering `t` while `owner.twins` holds."""
-    cls = FastPathOutput if owner.twins else GlobalTensor
+    grad mode is on; a FastPathOutput remembering `t` while `owner.twins` holds (not of an
+    inference tensor: it has no version to tell whether it changed, and no backward)."""
+    cls = FastPathOutput if owner.twins and not t.is_inference() else GlobalTensor
     if torch.is_grad_enabled() and t.requires_grad:
         out = ExitLocal.apply(t, spec, grad_spec, reducer, cls)
         with PLAIN_GETTERS():

@@ -46,5 +46,5 @@ def _composite(func) -> bool:
 
 
 @register_when(_composite)
-def _composite_definition(func, args, kwargs):
+def composite_definition(func, args, kwargs):
     return func.decompose(*args, **kwargs)
