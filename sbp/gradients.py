@@ -508,13 +508,16 @@ class Reducer:
         """Parameter i's summed gradient waits on it, plain (see `take_waiting`); where it
         holds a `.grad` (`zero_grad(set_to_none=False)`, no_sync steps), it goes into that
         one at once, as torch accumulates: a reference kept to it sees this backward. A
-        partial one from no_sync steps was summed into `grad` (`_launch`): it takes the
-        sum, whole."""
+        partial one from no_sync steps becomes whole: summed into `grad` already over
+        ranks (`_launch`), on one rank added to it (another reducer's may be left)."""
         p = self.params[i]
         current = TORCH_GRAD.__get__(p)
         if current is not None:
             if current._spec.nd_sbp == self.partial_nd:
-                current._local.copy_(grad)
+                if self.hooked:
+                    current._local.copy_(grad)
+                else:
+                    current._local.add_(grad)
                 current._spec = current._spec._replace(nd_sbp=p._spec.nd_sbp)
             else:
                 current._local.add_(grad)

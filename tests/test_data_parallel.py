@@ -661,6 +661,10 @@ def _held_grads(world, kind, loss):
     if kind == "synchronised, no_sync":
         with sbp.nn.no_sync(model):
             loss(model, *batches[2], P).backward()
+    if kind == "no_sync, a parameter frozen":  # (a new reducer takes the partial sums)
+        with sbp.nn.no_sync(model):
+            loss(model, *batches[2], P).backward()
+        model.layers[0].bias.requires_grad_(False)
     loss(model, *batches[1], P).backward()
     values = [g.full_tensor().clone() for g in held]  # (a broadcast one's is its local)
     same = all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))
@@ -675,7 +679,13 @@ def _squares(model, x, y, P):
 
 @pytest.mark.parametrize("loss", [_loss, _squares], ids=["cross_entropy", "squares"])
 @pytest.mark.parametrize(
-    "kind", ["zero_grad(set_to_none=False)", "no_sync", "synchronised, no_sync"]
+    "kind",
+    [
+        "zero_grad(set_to_none=False)",
+        "no_sync",
+        "synchronised, no_sync",
+        "no_sync, a parameter frozen",
+    ],
 )
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_held_grad_gets_the_next_backward_as_in_torch(pool2, world, kind, loss):
@@ -692,6 +702,9 @@ def test_a_held_grad_gets_the_next_backward_as_in_torch(pool2, world, kind, loss
         model.zero_grad(set_to_none=False)
     if kind == "synchronised, no_sync":
         plain(model(batches[2][0]), batches[2][1]).backward()
+    if kind == "no_sync, a parameter frozen":
+        plain(model(batches[2][0]), batches[2][1]).backward()
+        model.layers[0].bias.requires_grad_(False)
     plain(model(batches[1][0]), batches[1][1]).backward()
     for values, same, path in pool2.run(_held_grads, world, kind, loss)[:world]:
         assert path == "fast" and same
