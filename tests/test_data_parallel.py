@@ -1512,6 +1512,39 @@ def test_a_first_local_run_raising_on_some_ranks_runs_op_by_op_on_all(
         torch.testing.assert_close(running, ref.bn.running_mean, rtol=1e-12, atol=1e-14)
 
 
+class RaisesInItsFirstLocalRun(MLP):
+    """Raises an error sbp raises as it is (a bad index) in its first local run only."""
+
+    raised = False
+
+    def forward(self, x):
+        if not x.is_global and not self.raised:
+            self.raised = True
+            raise sbp.IndexRangeError("an index out of range, found in the local run")
+        return super().forward(x)
+
+
+def test_a_layout_whose_first_local_run_raised_is_checked_again():
+    """The next call of that layout brings another batch: it is checked again, with its own
+    results to compare the first local run with (not the earlier batch's: they differ,
+    and it ran op by op)."""
+    P = sbp.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = RaisesInItsFirstLocalRun().double()
+    batches = [x for x, _ in _data(steps=2)]
+    model.raised = True
+    want = [model(x) for x in batches]
+    model.raised = False
+    model.to_global(P, B)
+    with pytest.raises(sbp.IndexRangeError, match="found in the local run"):
+        model(_global(batches[0], P))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "runs op by op")
+        out = model(_global(batches[1], P))
+    assert sbp.nn.fast_path.state(model).last_path == "fast"
+    torch.testing.assert_close(out.full_tensor(), want[1], rtol=1e-12, atol=1e-12)
+
+
 class DoublesItsInput(torch.nn.Module):
     """Writes into its input, then fails the first local run: a zero state of a fixed size
     (torch raises on every rank) or the batch size read as a number (outputs differ)."""

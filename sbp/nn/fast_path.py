@@ -1167,7 +1167,12 @@ class DataParallel:
         self.last_path = "fast"
         if layout.tried:
             return self._run_local(args, kwargs, layout, data_nd, backend)
-        return self._first_local_run(args, kwargs, layout, data_nd, backend)
+        try:
+            return self._first_local_run(args, kwargs, layout, data_nd, backend)
+        except BaseException:
+            if layout.ok:  # (raised before the verdict: checked again, with its own batch)
+                self._layouts.pop(key, None)
+            raise
 
     def _warn_once(self, what: str, stacklevel: int = CALLER) -> None:
         """Warn that the module `what`, once per module, from the line that called it."""
@@ -1220,7 +1225,7 @@ class DataParallel:
             why = f"its local run raised {type(e).__name__}: {e}"
         if layout.bn_counts or layout.losses:
             self._left_together(error)
-        layout.expected = None  # (compared once: a run that raised above keeps it)
+        layout.expected = None  # (compared once)
         if eager and not why:
             leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
             got = [t._local for t in leaves]
