@@ -59,10 +59,15 @@ MODELS = {
 
 
 def _model(name: str):
-    """`-dropout`: Llama's attention dropout on; `-padded` changes the batches only."""
+    """`-dropout`: Llama's attention dropout on; `-padded` changes the batches only;
+    `bert-choices`: BERT for multiple choice (each sample's choices flattened into rows)."""
     import transformers as T
 
     base = name.removesuffix("-padded").removesuffix("-dropout")
+    if base == "bert-choices":
+        config_class, _, options = MODELS["bert"]
+        torch.manual_seed(0)
+        return T.BertForMultipleChoice(getattr(T, config_class)(**options)).double()
     config_class, model_class, options = MODELS[base]
     if name.endswith("-dropout"):
         options = options | {"attention_dropout": 0.1}
@@ -91,6 +96,10 @@ def _batches(name: str, steps: int = 2) -> list[dict]:
             batch["attention_mask"] = mask
             if causal:
                 batch["labels"] = ids.masked_fill(mask == 0, -100)
+        if name.startswith("bert-choices"):  # (3 choices of each sample: its text, shifted)
+            choices = {k: v for k, v in batch.items() if k != "labels"}
+            batch = {k: torch.stack([v, v.roll(1, 1), v.roll(2, 1)], 1) for k, v in choices.items()}
+            batch["labels"] = labels
         out.append(batch)
     return out
 
@@ -154,10 +163,15 @@ def _mask_functions() -> list:
     return [(f.__qualname__, hasattr(f, "__wrapped__")) for f in functions]
 
 
-@pytest.mark.parametrize("name", ["bert", "llama", "vit", "gpt2", "bert-padded", "llama-padded"])
+@pytest.mark.parametrize(
+    "name",
+    ["bert", "llama", "vit", "gpt2", "bert-padded", "llama-padded", "bert-choices-padded"],
+)
 def test_transformers_model_trains_on_the_fast_path(pool2, name):
     """With an attention mask too (`-padded`: one rank's rows have no padding, so its
-    local run skips the mask where the other's builds it, each exact for its rows)."""
+    local run skips the mask where the other's builds it, each exact for its rows). For
+    multiple choice the mask has a row per choice, not per sample (before: op by op, the
+    mask taken as broadcast)."""
     ref_losses, ref_params, _, functions, _ = _train(name, None)
     for losses, params, paths, after, _ in pool2.run(_train, name, 2):
         assert paths == ["fast", "fast"]

@@ -49,8 +49,9 @@ _THIS_THREAD = threading.local()  # this thread's (check, logical batch size) wh
 
 
 def _as_checked(f: Callable) -> Callable:
-    """`f` as the checking pass of this thread calls it: unwatched, its batch-sized
-    broadcast results laid out as the batch; as it is for any other caller."""
+    """`f` as the checking pass of this thread calls it: unwatched, its broadcast results
+    with as many rows as the batch, or as an argument laid out as the batch, laid out as
+    the batch; as it is for any other caller."""
 
     @functools.wraps(f)
     def call(*args, **kwargs):
@@ -58,11 +59,16 @@ def _as_checked(f: Callable) -> Callable:
         if current is None or current[0] not in registry.observers:
             return f(*args, **kwargs)
         check, batch = current
+        rows = {batch} | {  # (a batch reshaped: `(B, choices, L)` as `(B * choices, L)`)
+            a.shape[0]
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, GlobalTensor) and a.dim() and tuple(a.sbp) == check.data_nd
+        }
         registry.observers.remove(check)
         try:
             leaves, tree = tree_flatten(f(*args, **kwargs))
             for k, leaf in enumerate(leaves):
-                if isinstance(leaf, GlobalTensor) and leaf.dim() and leaf.shape[0] == batch:
+                if isinstance(leaf, GlobalTensor) and leaf.dim() and leaf.shape[0] in rows:
                     if is_all_broadcast(leaf.sbp):
                         leaves[k] = leaf.to_global(sbp=check.data_nd)
             return tree_unflatten(leaves, tree)
