@@ -200,6 +200,8 @@ class _GlobalFactories(TorchFunctionMode):
         requires_grad = kwargs.pop("requires_grad", False)
         kwargs["device"] = local_device(P.type)
         value = func(*args, **kwargs)
+        if func is torch.empty:  # (zeros: the replicas agree before it is filled, as by
+            value.zero_()  # stochastic depth's `torch.empty(...).bernoulli_(p)`)
         if self.check:
             check_same_on_ranks(value, P, f"the value of {func.__name__} in global_mode")
         nd = normalize_nd_sbp(self.sbp, P.ndim, value.dim())

@@ -148,6 +148,27 @@ def _differing_local_values():
     return out
 
 
+def _stochastic_depth_checked():
+    """torchvision's stochastic depth makes its row mask with `torch.empty(...).bernoulli_`:
+    under a checked global_mode the empty tensor's replicas must agree (they held whatever
+    memory each rank had: MetaMismatchError), and the mask is then sbp's draw."""
+    from torchvision.ops import stochastic_depth
+
+    P_ = sbp.placement.all("cpu")
+    x = sbp.tensor(torch.ones(4, 3, dtype=torch.float64), P_, S0)
+    with sbp.global_mode(P_, check=True):
+        empty = torch.empty(64, 64)
+        out = stochastic_depth(x, p=0.5, mode="row", training=True)
+    return empty.full_tensor().abs().sum().item(), out.full_tensor()
+
+
+def test_stochastic_depth_under_a_checked_global_mode(pool2):
+    for zeros, out in pool2.run(_stochastic_depth_checked):
+        assert zeros == 0.0
+        rows = {tuple(r.tolist()) for r in out}
+        assert rows <= {(0.0,) * 3, (2.0,) * 3}  # (each row dropped, or kept and scaled by 2)
+
+
 def _replicate_checked(g, local):
     with sbp.implicit_replication(check=True):
         return g + local
