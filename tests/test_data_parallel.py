@@ -1643,6 +1643,50 @@ def test_casts_and_tests_of_broadcast_values_run_on_the_fast_path(pool2, world):
         assert _rel(params, ref[1]) < 1e-12
 
 
+def _conv_bn_under_autocast(world, fast, dtype):
+    """Two steps of ConvBN (float32) under CPU autocast to `dtype`: the paths, the BatchNorm
+    running statistics and the losses."""
+    import sbp.nn
+
+    torch.manual_seed(0)
+    model = ConvBN()
+    if world:
+        P = sbp.placement("cpu", list(range(world)))
+        model.to_global(P, B)
+        sbp.nn.data_parallel(model, fast=fast)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    paths, losses = [], []
+    for x, y in _data(n=8, steps=2, shape=(3, 4, 4), classes=4):  # (planes of 16: summed
+        x = x.float()  # by product, `sbp.ops.batch_norm.SUM_BY_PRODUCT`)
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(_global(x, P) if world else x)
+        loss = F.cross_entropy(out.float(), _global(y, P) if world else y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        paths.append(sbp.nn.fast_path.state(model).last_path if world else None)
+    stats = [model.bn.running_mean, model.bn.running_var]
+    return paths, [t.full_tensor() if world else t for t in stats], losses
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logical_batch_norm_under_autocast_runs_on_the_fast_path(pool2, dtype):
+    """The local run's BatchNorm statistics are summed with autocast off, as the op-by-op
+    rule's kernels are (below autocast): under autocast their `ones @ t` and `torch.mv`
+    ran in half precision, the first local run differed from the check and torchvision's
+    resnet18 and mobilenet_v2 ran op by op (before). Statistics equal op by op's and one
+    process's (its convolutions round otherwise: the half-precision activations differ)."""
+    _, want, want_losses = _conv_bn_under_autocast(0, True, dtype)
+    per_op = pool2.run(_conv_bn_under_autocast, 2, False, dtype)[0]
+    for paths, stats, losses in pool2.run(_conv_bn_under_autocast, 2, True, dtype):
+        assert paths == ["fast", "fast"]
+        for got, op_by_op, ref in zip(stats, per_op[1], want, strict=True):
+            torch.testing.assert_close(got, op_by_op, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-3)
+        assert losses == pytest.approx(want_losses, rel=1e-3)
+
+
 class AttentionDropout(torch.nn.Module):
     def __init__(self):
         super().__init__()

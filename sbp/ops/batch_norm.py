@@ -18,6 +18,7 @@ were updated).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,6 +29,22 @@ from sbp.ops.registry import rebox, register
 from sbp.signature import broadcast, splits_to_partials
 
 aten = torch.ops.aten
+
+
+def _without_autocast(f):
+    """`f` with torch's autocast off: its sums by product (`ones @ t`) and `torch.mv` would
+    run in half precision under the fast path's local run, where autocast sees them (the
+    per-op rules run below autocast, which never sees their kernels): statistics less
+    exact, and the first local run differing from the checking pass's."""
+
+    @functools.wraps(f)
+    def without(t: torch.Tensor, *args, **kwargs):
+        if not torch.is_autocast_enabled(t.device.type):
+            return f(t, *args, **kwargs)
+        with torch.autocast(t.device.type, enabled=False):
+            return f(t, *args, **kwargs)
+
+    return without
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -102,6 +119,7 @@ def _statistics(x: torch.Tensor, acc: torch.dtype, count: int, all_reduce: Group
     return mean.to(acc), var.to(acc)
 
 
+@_without_autocast
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -136,6 +154,7 @@ def forward(
     return out, mean, invstd
 
 
+@_without_autocast
 def differentiable_forward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -204,6 +223,7 @@ class _TableSum(torch.autograd.Function):
         return comm.functional.all_reduce(grad.contiguous(), "sum", ctx.ranks), None
 
 
+@_without_autocast
 def backward(
     dy: torch.Tensor,
     x: torch.Tensor,
