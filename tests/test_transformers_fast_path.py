@@ -58,16 +58,15 @@ MODELS = {
 }
 
 
+# (each sample's choices flattened into rows inside the model)
+MODELS["bert-choices"] = ("BertConfig", "BertForMultipleChoice", MODELS["bert"][2])
+
+
 def _model(name: str):
-    """`-dropout`: Llama's attention dropout on; `-padded` changes the batches only;
-    `bert-choices`: BERT for multiple choice (each sample's choices flattened into rows)."""
+    """`-dropout`: Llama's attention dropout on; `-padded` changes the batches only."""
     import transformers as T
 
     base = name.removesuffix("-padded").removesuffix("-dropout")
-    if base == "bert-choices":
-        config_class, _, options = MODELS["bert"]
-        torch.manual_seed(0)
-        return T.BertForMultipleChoice(getattr(T, config_class)(**options)).double()
     config_class, model_class, options = MODELS[base]
     if name.endswith("-dropout"):
         options = options | {"attention_dropout": 0.1}

@@ -1209,7 +1209,7 @@ class DataParallel:
         waiting inside one of them for a rank that raised, where the verdict's all-reduce
         must not meet them: the ranks first learn through the store that all of them left
         the run (`_left_together`)."""
-        expected = layout.expected
+        expected, layout.expected = layout.expected, None  # (raised: forgotten, see `call`)
         undo = _Undo(self._slots.buffers, args, kwargs)
         eager = self._eager(backend)
         grad = torch.is_grad_enabled()
@@ -1225,7 +1225,6 @@ class DataParallel:
             why = f"its local run raised {type(e).__name__}: {e}"
         if layout.bn_counts or layout.losses:
             self._left_together(error)
-        layout.expected = None  # (compared once)
         if eager and not why:
             leaves = [t for t in output_leaves(out)[0] if isinstance(t, GlobalTensor)]
             got = [t._local for t in leaves]
