@@ -17,15 +17,25 @@ rebuilds it, and refuses where its placement cannot exist.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from sbp import env, optim_step
+from sbp import checkpoint_files, env, optim_step
 from sbp.boxing.executor import empty_local, local_device
-from sbp.errors import MetaMismatchError, PlacementError, SbpError, SbpSignatureError
+from sbp.comm import arrival
+from sbp.comm.collectives import guarded
+from sbp.errors import (
+    CommTimeoutError,
+    MetaMismatchError,
+    PlacementError,
+    SbpError,
+    SbpSignatureError,
+)
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
 from sbp.signature import (
@@ -41,6 +51,7 @@ from sbp.tensor import GlobalTensor
 
 __all__ = [
     "CheckpointError",
+    "committed_folder",
     "full_state_dict",
     "load",
     "load_training_state",
@@ -51,6 +62,9 @@ __all__ = [
 
 class CheckpointError(SbpError, RuntimeError):
     """A checkpoint could not be saved or loaded (missing, truncated, or not matching)."""
+
+
+ARRIVAL_WINDOW_S = 30.0  # how long save/load wait for every rank to call them (or timeout/2)
 
 
 # ---------------------------------------------------------------- DCP protocol
@@ -101,14 +115,27 @@ def save(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
 
     `state` maps names to modules, optimizers, (global) tensors and Python values. Each
     rank writes only its own shards, a broadcast tensor is written once in all, and a
-    partial tensor is reduced first.
+    partial tensor is reduced first. The save writes a new generation of the folder and
+    commits it last (see `sbp.checkpoint_files`): one that fails on any rank raises
+    `CheckpointError` on every rank and leaves the checkpoint committed before as it was.
     """
     import torch.distributed.checkpoint as dcp
 
+    root = _folder(checkpoint_dir, "save")
     _check_state(state, "save")
-    with torch.no_grad():
-        sd = {k: _map_tensors(_state_dict_of(v), _reduced) for k, v in state.items()}
-    _run(dcp.save, sd, checkpoint_dir, "save")
+    with _guarded("save", root):
+        _all_ranks_called("save", root)
+        with torch.no_grad():
+            sd = {k: _map_tensors(_state_dict_of(v), _reduced) for k, v in state.items()}
+        generation = _agree_on_generation(root)
+        try:
+            _run(dcp.save, sd, root / generation, "save")
+            _commit(root, generation, _gather_checksums(root / generation))
+        finally:  # (rank 0 committed it, or nothing points at it)
+            if env.get_rank() == 0 and not _is_committed(root, generation):
+                checkpoint_files.remove(root / generation)
+    if env.get_rank() == 0:
+        checkpoint_files.prune(root, keep=generation)
 
 
 def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
@@ -131,8 +158,10 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
         partials.append((t, tmp))
         return tmp
 
+    root = _folder(checkpoint_dir, "load")
     _check_state(state, "load")
-    saved = _saved_keys(checkpoint_dir)
+    with _guarded("load", root):
+        folder, saved = _open(root)
     created = []  # (optimizer, the parameters given state here): taken back if the load fails
     sd = {}
     for k, v in state.items():
@@ -143,7 +172,8 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
             created.append((v, _init_optimizer_state(v, kept)))
         sd[k] = _map_tensors(_state_dict_of(v, kept), loadable)
     try:
-        _run(dcp.load, sd, checkpoint_dir, "load")
+        with _guarded("load", root):
+            _run(dcp.load, sd, folder, "load")
     except BaseException:
         for optimizer, params in created:
             for p in params:
@@ -168,6 +198,18 @@ def load(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
             # place already, and this brings its non-tensor state and load hooks along
         elif not isinstance(v, torch.Tensor):
             state[k] = loaded  # type: ignore[index]
+
+
+def committed_folder(checkpoint_dir: str | os.PathLike) -> Path:
+    """The folder of the generation `checkpoint_dir` commits, which DCP's own readers
+    (`torch.distributed.checkpoint.load`, `FileSystemReader`) take as `checkpoint_id`;
+    `checkpoint_dir` itself for a checkpoint without a commit marker. No communication."""
+    root = _folder(checkpoint_dir, "committed_folder")
+    try:
+        committed = checkpoint_files.read_marker(root)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"sbp.checkpoint.committed_folder({str(root)!r}): {e}") from e
+    return root if committed is None else committed.folder
 
 
 def _check_state(state: Any, what: str) -> None:
@@ -260,35 +302,154 @@ def _saved_parameter_states(saved: set[str], key: str) -> set[int]:
     }
 
 
-def _saved_keys(checkpoint_dir: str | os.PathLike) -> set[str]:
-    """The names the checkpoint holds (its metadata); every rank learns which ranks could
-    not read them, and all raise alike."""
+def _folder(checkpoint_dir: Any, what: str) -> Path:
+    if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+        raise CheckpointError(
+            f"sbp.checkpoint.{what}: checkpoint_dir must be a folder's path (a str or "
+            f"os.PathLike), got {checkpoint_dir!r}"
+        )
+    root = Path(os.fspath(checkpoint_dir))
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(
+            f"sbp.checkpoint.{what}: checkpoint_dir {str(root)!r} is a file, not a folder"
+        )
+    return root
+
+
+@contextlib.contextmanager
+def _guarded(what: str, root: Path) -> Iterator[None]:
+    """A rank lost or stuck inside the block: `CheckpointError` on the ranks left."""
+    world = tuple(range(env.get_world_size()))
+    try:
+        with guarded(f"sbp.checkpoint.{what}", world):
+            yield
+    except CommTimeoutError as e:
+        kept = "; the checkpoint committed before in that folder is unchanged" * (what == "save")
+        raise CheckpointError(f"sbp.checkpoint.{what}({str(root)!r}): {e}{kept}") from e
+
+
+def _gather(obj: Any) -> list:
+    """Every rank's `obj` (small, picklable), in rank order."""
+    if not env.is_distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * env.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_problems(root: Path, what: str, problems: list) -> None:
+    """One `CheckpointError` on every rank naming the ranks of each (what, why) problem."""
+    if not any(problems):
+        return
+    ranks: dict[tuple, list[int]] = {}
+    for rank, p in enumerate(problems):
+        if p:
+            ranks.setdefault(tuple(p), []).append(rank)
+    text = "; ".join(f"{failed} on ranks {r}{why}" for (failed, why), r in ranks.items())
+    raise CheckpointError(f"sbp.checkpoint.{what}({str(root)!r}): {text}")
+
+
+def _all_ranks_called(what: str, root: Path) -> None:
+    """Every rank of the world is in this call (asked through the store, which enters no
+    process group: a rank busy in a collective elsewhere is not met with a wrong one)."""
+    if not env.is_distributed():
+        return
+    window = min(ARRIVAL_WINDOW_S, env.get_timeout().total_seconds() / 2)
+    verdict = arrival.arrived_together(
+        tuple(range(env.get_world_size())),
+        window,
+        f"not every rank called it within {window:g} s (rank {env.get_rank()} waited)",
+    )
+    if verdict not in (arrival.ALL, None):
+        raise CheckpointError(
+            f"sbp.checkpoint.{what}({str(root)!r}): {verdict}; every rank of the world calls "
+            "it (each writes or reads its own shards), not only rank 0"
+        )
+
+
+def _agree_on_generation(root: Path) -> str:
+    """Rank 0 makes the folder of the new generation; every rank learns its name, and
+    that all ranks name the same checkpoint folder."""
+    name, problem = None, None
+    if env.get_rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            name = checkpoint_files.next_generation(root)
+            (root / name).mkdir()
+        except OSError as e:
+            problem = ("making its folder failed", f": {e}")
+    views = _gather((os.path.abspath(root), name, problem))
+    _raise_problems(root, "save", [p for _, _, p in views])
+    paths = sorted({path for path, _, _ in views})
+    if len(paths) > 1:
+        raise CheckpointError(
+            f"sbp.checkpoint.save: the ranks name different folders as checkpoint_dir: "
+            f"{paths}; pass the same path on every rank"
+        )
+    return views[0][1]
+
+
+def _gather_checksums(folder: Path) -> dict[str, tuple[int, int]]:
+    """The size and CRC-32 of every file of the save, each rank summing the files it wrote."""
+    sums, problem = {}, None
+    try:
+        for name in checkpoint_files.files_of_rank(folder, env.get_rank()):
+            sums[name] = checkpoint_files.checksum(folder / name)
+    except OSError as e:
+        problem = ("reading back its files failed", f": {e}")
+    gathered = _gather((sums, problem))
+    _raise_problems(folder.parent, "save", [p for _, p in gathered])
+    return {name: s for rank_sums, _ in gathered for name, s in rank_sums.items()}
+
+
+def _commit(root: Path, generation: str, files: dict[str, tuple[int, int]]) -> None:
+    """Rank 0 commits the generation (replaces the marker); every rank learns it did."""
+    problem = None
+    if env.get_rank() == 0:
+        try:
+            checkpoint_files.commit(root, generation, files)
+        except OSError as e:
+            problem = ("writing the commit marker failed", f": {e}")
+    _raise_problems(root, "save", _gather(problem))
+
+
+def _is_committed(root: Path, generation: str) -> bool:
+    try:
+        committed = checkpoint_files.read_marker(root)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return committed is not None and committed.folder.name == generation
+
+
+def _open(root: Path) -> tuple[Path, set[str]]:
+    """The folder of the committed generation (or `root`, for a checkpoint without a
+    marker) and the names it holds, its files verified (each rank a share of them);
+    every rank learns which ranks found a problem, and all raise alike."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    d = os.fspath(checkpoint_dir)
-    keys: set[str] = set()
-    problem = None  # (what failed, why)
-    if not (os.path.isdir(d) and any(n.endswith(".metadata") for n in os.listdir(d))):
-        problem = ("no checkpoint there (no .metadata file)", "")
+    folder, keys, problem = root, set(), None
+    try:
+        committed = checkpoint_files.read_marker(root)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        committed, problem = None, ("reading its commit marker failed", f": {e}"[:400])
+    if committed is not None:
+        folder = committed.folder
+        damaged = checkpoint_files.verify(committed, env.get_rank(), env.get_world_size())
+        if damaged:
+            problem = ("damaged files", ": " + "; ".join(damaged)[:800])
+    if problem is not None:
+        pass
+    elif not (folder.is_dir() and any(n.endswith(".metadata") for n in os.listdir(folder))):
+        problem = ("no checkpoint there (no commit marker, no .metadata file)", "")
     else:
         try:
-            keys = set(FileSystemReader(d).read_metadata().state_dict_metadata)
+            keys = set(FileSystemReader(folder).read_metadata().state_dict_metadata)
         except Exception as e:  # (a truncated or foreign .metadata file)
             problem = ("reading its .metadata failed", f": {type(e).__name__}: {e}"[:400])
-    problems = [problem]
-    if env.is_distributed():
-        import torch.distributed as dist
-
-        problems = [None] * env.get_world_size()
-        dist.all_gather_object(problems, problem)
-    if any(problems):
-        ranks: dict[tuple, list[int]] = {}
-        for rank, p in enumerate(problems):
-            if p:
-                ranks.setdefault(tuple(p), []).append(rank)
-        text = "; ".join(f"{what} on ranks {r}{why}" for (what, why), r in ranks.items())
-        raise CheckpointError(f"sbp.checkpoint.load({d!r}): {text}")
-    return keys
+    _raise_problems(root, "load", _gather(problem))
+    return folder, keys
 
 
 def _run(fn: Any, sd: dict, checkpoint_dir: str | os.PathLike, what: str) -> None:

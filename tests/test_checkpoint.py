@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sbp
+from sbp import checkpoint_files
 from sbp.checkpoint import CheckpointError
 
 S0, S1, B, PS = sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum
@@ -109,11 +111,18 @@ def _check_values(results: list[dict]) -> None:
                 torch.testing.assert_close(got, _logical(name), rtol=1e-12, atol=1e-12)
 
 
+def _generation(directory: str | Path) -> Path:
+    """The folder of the generation the checkpoint's marker commits."""
+    folder = checkpoint_files.read_marker(Path(directory)).folder
+    assert sbp.checkpoint.committed_folder(directory) == folder
+    return folder
+
+
 def _stored_chunks(directory: str) -> dict[str, list[tuple[tuple, int, int]]]:
     """fqn -> [(global offsets, writing rank, bytes)] from the checkpoint's metadata."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    md = FileSystemReader(directory).read_metadata()
+    md = FileSystemReader(_generation(directory)).read_metadata()
     out = defaultdict(list)
     for index, info in md.storage_data.items():
         rank = int(os.path.basename(info.relative_path).split("_")[2])  # "__{rank}_{n}.distcp"
@@ -194,7 +203,8 @@ def _load_split_with_recorded_reads(directory: str) -> list[tuple]:
     P = sbp.placement("cpu", [0, 1])
     g = sbp.zeros(7, 5, placement=P, sbp=S0, dtype=torch.float64)
     planner = Recording()
-    dcp.load({"s0": g}, checkpoint_id=directory, planner=planner)
+    folder = sbp.checkpoint.committed_folder(directory)  # (where DCP's own reader looks)
+    dcp.load({"s0": g}, checkpoint_id=folder, planner=planner)
     torch.testing.assert_close(g.full_tensor(), _logical("s0"), rtol=0, atol=0)
     return sorted(planner.reads)
 
@@ -413,14 +423,21 @@ def test_missing_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path):
 
 
 def test_truncated_checkpoint_is_an_error_on_every_rank(saved4, pool2, tmp_path):
+    """A committed generation's file cut short fails its checksum; without a marker (a
+    folder DCP wrote itself, or sbp before generations) DCP's own read fails."""
     import shutil
 
     for victim in ("__1_0.distcp", ".metadata"):
-        directory = tmp_path / victim.strip("._")
-        shutil.copytree(saved4, directory)
-        path = directory / victim
-        path.write_bytes(path.read_bytes()[:100])
-        for message in pool2.run(_load_expecting_error, str(directory), timeout=60):
+        committed = tmp_path / ("committed" + victim.strip("._"))
+        shutil.copytree(saved4, committed)
+        bare = tmp_path / ("bare" + victim.strip("._"))
+        shutil.copytree(_generation(saved4), bare)
+        for path in (_generation(committed) / victim, bare / victim):
+            path.write_bytes(path.read_bytes()[:100])
+        for message in pool2.run(_load_expecting_error, str(committed), timeout=60):
+            assert "damaged files on ranks" in message and victim in message
+            assert "bytes where" in message
+        for message in pool2.run(_load_expecting_error, str(bare), timeout=60):
             assert "failed on ranks" in message and victim.strip("._") in message
 
 
