@@ -6,10 +6,11 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from torch.distributed.run import get_args_parser
+from torch.distributed.run import config_from_args, get_args_parser
 
 from sbp.distributed import launch
 
@@ -39,14 +40,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_launcher(*args: str, cwd: Path, extra_env: dict | None = None):
-    """Run the launcher in a subprocess with a free static port; return CompletedProcess."""
+def run_launcher(*args: str, cwd: Path, extra_env: dict | None = None, timeout: float = TIMEOUT):
+    """Run the launcher in a subprocess with a free static port; return CompletedProcess.
+
+    A later ``--master_port`` in ``args`` wins over the free one.
+    """
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "sbp.distributed.launch", "--master_port", str(free_port())]
     return subprocess.run(
-        [*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT
+        [*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+# A launch that fails before any worker starts takes the launcher's start-up (a few
+# seconds, more on a loaded machine) plus the 1 s join timeout the tests give; without
+# the bound it took torchrun's 600 s rendezvous timeout.
+QUICK = 30
+
+
+def one_line(res: subprocess.CompletedProcess) -> str:
+    """The launcher's whole stderr, which must be one line of its own (no traceback)."""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("sbp.distributed.launch: "), res.stderr
+    return lines[0]
+
+
+def timed_launch(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    res = run_launcher(*args, cwd=cwd, timeout=2 * QUICK)
+    return res, time.monotonic() - start
 
 
 def write(path: Path, text: str) -> Path:
@@ -155,10 +179,88 @@ def test_help_lists_options(tmp_path):
     assert res.returncode == 0
     for option in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_port", "--logdir"):
         assert option in res.stdout
+    assert "--join_timeout SECONDS" in res.stdout and "(default 300)" in res.stdout
     assert "--redirect_stdout_and_stderr" in res.stdout and "./logs" in res.stdout
 
 
+# --- launches that cannot start: one line, quickly, no worker started --------------------
+
+NO_WORKER = "open('worker_ran', 'w').close()\n"
+
+
+def test_missing_node_ends_at_the_join_timeout(tmp_path):
+    script = write(tmp_path / "w.py", NO_WORKER)
+    port = free_port()
+    res, took = timed_launch(
+        "--nnodes",
+        "2",
+        "--master_port",
+        str(port),
+        "--join_timeout",
+        "1",
+        str(script),
+        cwd=tmp_path,
+    )
+    line = one_line(res)
+    assert res.returncode == 1
+    assert f"only 1 of 2 nodes joined within --join_timeout 1 s at 127.0.0.1:{port}" in line
+    assert took < QUICK
+    assert not (tmp_path / "worker_ran").exists()
+
+
+def test_node_without_node0_ends_at_the_join_timeout(tmp_path):
+    # node 1 of 2, and nobody listens at node 0's address: no C++ retry logs either
+    script = write(tmp_path / "w.py", NO_WORKER)
+    port = free_port()
+    args = ("--nnodes", "2", "--node_rank", "1", "--master_port", str(port), "--join_timeout", "1")
+    res, took = timed_launch(*args, str(script), cwd=tmp_path)
+    line = one_line(res)
+    assert res.returncode == 1
+    assert f"node 0's rendezvous store at 127.0.0.1:{port} did not answer" in line
+    assert "--node_rank 1 of --nnodes 2" in line
+    assert took < QUICK
+    assert not (tmp_path / "worker_ran").exists()
+
+
+def test_busy_master_port(tmp_path):
+    script = write(tmp_path / "w.py", NO_WORKER)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res, took = timed_launch("--master_port", str(port), str(script), cwd=tmp_path)
+    line = one_line(res)
+    assert res.returncode == 1
+    assert f"--master_port {port} is already in use on 127.0.0.1" in line
+    assert "choose a free port" in line
+    assert took < QUICK
+    assert not (tmp_path / "worker_ran").exists()
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/sub"])
+def test_logdir_that_cannot_be_a_folder(tmp_path, where):
+    script = write(tmp_path / "w.py", NO_WORKER)
+    (tmp_path / "a_file").write_text("not a folder")
+    res, took = timed_launch("--logdir", where, str(script), cwd=tmp_path)
+    line = one_line(res)
+    assert res.returncode == 2
+    assert line.startswith(f"sbp.distributed.launch: cannot write logs to --logdir {where}: ")
+    assert ("a file, not a folder" if where == "a_file" else "Not a directory") in line
+    assert took < QUICK
+    assert not (tmp_path / "worker_ran").exists()
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
 # --- in-process checks (no workers started) -------------------------------------------
+
+
+def test_rank_logs_specs_refuses_a_folder_it_cannot_write(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(launch.tempfile, "mkdtemp", refuse)
+    with pytest.raises(PermissionError):
+        launch.RankLogsSpecs(tmp_path)
 
 
 def test_rank_logs_specs_names_folders_by_global_rank(tmp_path):
@@ -198,6 +300,7 @@ def test_rank_logs_specs_names_folders_by_global_rank(tmp_path):
         ["-m", "--no_python", "x"],
         ["--nnodes", "2", "--node_rank", "2", "x.py"],
         ["--nproc_per_node", "0", "x.py"],
+        ["--join_timeout", "0", "x.py"],
         [],
     ],
 )
@@ -211,10 +314,26 @@ def test_translation_to_torchrun_arguments():
     args = launch._parse(["--nproc_per_node", "4", "train.py", "--epochs", "3"])
     argv = launch._torchrun_argv(args)
     assert "--rdzv_backend=c10d" in argv  # one node, no port: torchrun picks a free one
+    assert "--rdzv_conf=join_timeout=300" in argv
     assert argv[-3:] == ["train.py", "--epochs", "3"]
 
-    args = launch._parse(["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "t.py"])
+    args = launch._parse(
+        [
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--master_addr",
+            "10.0.0.1",
+            "--join-timeout",
+            "7",
+            "t.py",
+        ]
+    )
     argv = launch._torchrun_argv(args)
     assert "--rdzv_backend=static" in argv and "--master_port=29500" in argv
+    assert "--rdzv_conf=timeout=7" in argv  # the static rendezvous's TCPStore timeout
     targs = get_args_parser().parse_args(argv)
     assert (targs.nnodes, targs.node_rank, targs.master_addr) == ("2", 1, "10.0.0.1")
+    config, _, _ = config_from_args(targs)
+    assert config.rdzv_configs["timeout"] == "7"

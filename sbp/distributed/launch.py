@@ -11,6 +11,10 @@ torchrun's. What we change:
 * ``OMP_NUM_THREADS`` defaults to 1 for every job, so N workers do not oversubscribe the cores;
 * a failed worker gives a short summary on stderr, naming the first worker to fail as the
   root cause, and exit status 1 instead of a traceback;
+* the wait for the other nodes is bounded (``--join_timeout``, torchrun's rendezvous
+  timeout), and a rendezvous that fails (nodes missing at the end of it, a busy
+  ``--master_port``, node 0 not answering) or an unusable ``--logdir`` is one line on
+  stderr and a non-zero exit status, not a traceback;
 * workers' console output reaches the terminal one whole line at a time (never two ranks'
   text in one line), with a ``[rank<r>]:`` prefix under ``--rank_prefix``.
 
@@ -24,17 +28,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 
+import torch.distributed
 from torch.distributed.elastic.multiprocessing.api import (
     LogsDest,
     LogsSpecs,
@@ -47,11 +54,21 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from sbp.distributed.worker_output import ExitTimes, PipeSet
 
-__all__ = ["DEFAULT_LOGDIR", "DEFAULT_MASTER_PORT", "RankLogsSpecs", "get_parser", "main"]
+__all__ = [
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_LOGDIR",
+    "DEFAULT_MASTER_PORT",
+    "RankLogsSpecs",
+    "get_parser",
+    "main",
+]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_LOGDIR = "logs"
+# Seconds the launchers of a job wait for each other (torchrun's own default is 600).
+DEFAULT_JOIN_TIMEOUT = 300
+_PROG = "sbp.distributed.launch"
 _TORCHRUN_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
@@ -66,7 +83,8 @@ class RankLogsSpecs(LogsSpecs):
     a job on any number of nodes writing to a shared ``log_dir`` gets one folder per rank.
 
     Args:
-        log_dir: the folder holding the per-rank folders; created when missing.
+        log_dir: the folder holding the per-rank folders; created when missing. An
+            `OSError` is raised at once where it is a file or cannot be written to.
         redirect: redirect each worker's stdout and stderr to ``stdout.log`` /
             ``stderr.log`` in its folder (not shown on the console) instead of the
             launcher's. Either way the folder holds ``error.json`` when a worker that
@@ -81,9 +99,11 @@ class RankLogsSpecs(LogsSpecs):
         self, log_dir: str | os.PathLike[str], redirect: bool = False, rank_prefix: bool = False
     ) -> None:
         log_dir = os.path.abspath(os.fspath(log_dir))
-        if os.path.isfile(log_dir):
-            raise NotADirectoryError(f"--logdir {log_dir!r} is a file, not a folder")
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder", log_dir)
         os.makedirs(log_dir, exist_ok=True)
+        # The rank folders are made only when the workers start: make sure they can be.
+        os.rmdir(tempfile.mkdtemp(prefix=".sbp_write_check_", dir=log_dir))
         self.redirect = redirect
         self.rank_prefix = rank_prefix
         self.exit_times = ExitTimes()
@@ -189,6 +209,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _seconds(value: str) -> int:
+    """argparse type for --join_timeout: whole seconds, at least 1 (torchrun's unit)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of seconds >= 1, got {value!r}")
+    return n
+
+
 def _port(value: str) -> int:
     """argparse type for --master_port."""
     try:
@@ -247,6 +278,16 @@ def get_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="free port on node 0 for the rendezvous store (default: a free port chosen by "
         f"the OS when --nnodes is 1, else {DEFAULT_MASTER_PORT})",
+    )
+    parser.add_argument(
+        "--join_timeout",
+        "--join-timeout",
+        type=_seconds,
+        default=DEFAULT_JOIN_TIMEOUT,
+        metavar="SECONDS",
+        help="how long the launchers wait for each other at --master_addr:--master_port "
+        f"(default {DEFAULT_JOIN_TIMEOUT}); when not all --nnodes nodes joined by then, the "
+        "launcher says how many did and exits with status 1",
     )
     parser.add_argument(
         "-m",
@@ -323,9 +364,12 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
         # Like plain torchrun on one node: a c10d store on a port the OS picks, so that
         # two jobs on one machine do not fight over port 29500.
         argv += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", f"--rdzv_id={uuid.uuid4()}"]
+        argv.append(f"--rdzv_conf=join_timeout={args.join_timeout}")
     else:
-        port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
-        argv += ["--rdzv_backend=static", f"--master_port={port}"]
+        argv += ["--rdzv_backend=static", f"--master_port={_master_port(args)}"]
+        # The static rendezvous's TCPStore timeout: node 0 waits that long for the other
+        # nodes' launchers, the others that long for node 0's store to answer.
+        argv.append(f"--rdzv_conf=timeout={args.join_timeout}")
     # torchrun builds a DefaultLogsSpecs that we replace; devnull keeps it from making a
     # temporary folder first.
     argv.append(f"--log_dir={os.devnull}")
@@ -336,6 +380,10 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
     return [*argv, args.training_script, *args.training_script_args]
 
 
+def _master_port(args: argparse.Namespace) -> int:
+    return DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
@@ -343,31 +391,110 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _stores_listen_on_loopback() -> Iterator[None]:
-    """Rendezvous stores this process hosts for a loopback host listen on that address only.
+class _LaunchError(Exception):
+    """A problem the launcher reports as one line on stderr, then exits with ``status``."""
 
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _rendezvous_error(
+    err: BaseException, args: argparse.Namespace, is_master: bool
+) -> _LaunchError | None:
+    """Our one line for a rendezvous store that could not be made, or None if unknown."""
+    port = _master_port(args)
+    where = f"{args.master_addr}:{port}"
+    text = str(err)
+    if is_master and ("EADDRINUSE" in text or getattr(err, "errno", None) == errno.EADDRINUSE):
+        return _LaunchError(
+            f"--master_port {port} is already in use on {args.master_addr} (another program or "
+            "job listens there); choose a free port with --master_port"
+            + (", the same on every node" if args.nnodes > 1 else " or leave it out")
+        )
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if is_master and joined:
+        others = "1" if args.nnodes == 2 else f"1..{args.nnodes - 1}"
+        return _LaunchError(
+            f"only {joined[1]} of {joined[2]} nodes joined within --join_timeout "
+            f"{args.join_timeout} s at {where}; start the missing nodes' launchers "
+            f"(--node_rank {others}) with --nnodes {args.nnodes} "
+            f"--master_addr {args.master_addr} --master_port {port}, or raise --join_timeout"
+        )
+    if not is_master and isinstance(err, torch.distributed.DistNetworkError):
+        return _node0_silent(args)
+    return None
+
+
+def _node0_silent(args: argparse.Namespace) -> _LaunchError:
+    return _LaunchError(
+        f"node 0's rendezvous store at {args.master_addr}:{_master_port(args)} did not answer "
+        f"within --join_timeout {args.join_timeout} s (this is --node_rank {args.node_rank} of "
+        f"--nnodes {args.nnodes}); start node 0's launcher with the same --master_addr and "
+        "--master_port, check that this node can reach it, or raise --join_timeout"
+    )
+
+
+def _wait_for_node0(host: str, port: int, args: argparse.Namespace) -> None:
+    """Wait until something listens at node 0's store address, at most --join_timeout.
+
+    TCPStore's client would wait too, but up to about twice its timeout, and it logs a
+    C++ stack trace for every failed try; a plain connection attempt every half second
+    is quiet (the store's server ignores a connection closed before any request).
+    """
+    deadline = time.monotonic() + args.join_timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _node0_silent(args)
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except OSError:
+            time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+
+
+@contextlib.contextmanager
+def _rendezvous_stores(args: argparse.Namespace) -> Iterator[None]:
+    """Watch the rendezvous stores torchrun makes in this process.
+
+    A store that cannot be made (its port busy, the other nodes missing when the join
+    timeout is up, node 0 not answering) raises `_LaunchError` with one line for the user.
+    Another node's launcher first waits quietly for node 0's store (`_wait_for_node0`).
+
+    And a store this process hosts for a loopback host listens on that address only:
     torch's TCPStore server listens on every interface whatever host it is given, so a
     single-node job would take connections from the network. Here its socket is bound
     first (to 127.0.0.1, say) and handed over (`master_listen_fd`).
     """
-    import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
-    real = dist.TCPStore
+    real = torch.distributed.TCPStore
 
-    def store(host_name, port, *args, **kwargs):
-        is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
-        if is_master and kwargs.get("master_listen_fd") is None and _is_loopback(host_name):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((socket.gethostbyname(host_name), port))
-            sock.listen(socket.SOMAXCONN)
-            port = sock.getsockname()[1]
-            kwargs["master_listen_fd"] = sock.detach()
-        return real(host_name, port, *args, **kwargs)
+    def store(host_name, port, *rest, **kwargs):
+        is_master = kwargs.get("is_master", rest[1] if len(rest) > 1 else False)
+        if not is_master:
+            _wait_for_node0(host_name, port, args)
+        try:
+            if is_master and kwargs.get("master_listen_fd") is None and _is_loopback(host_name):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind((socket.gethostbyname(host_name), port))
+                    sock.listen(socket.SOMAXCONN)
+                except OSError:
+                    sock.close()
+                    raise
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()
+            return real(host_name, port, *rest, **kwargs)
+        except (OSError, torch.distributed.DistError) as err:
+            mine = _rendezvous_error(err, args, bool(is_master))
+            if mine is None:
+                raise
+            raise mine from None
 
-    modules = (dist, c10d_rendezvous_backend, static_tcp_rendezvous)
+    modules = (torch.distributed, c10d_rendezvous_backend, static_tcp_rendezvous)
     saved = [m.TCPStore for m in modules]
     for m in modules:
         m.TCPStore = store
@@ -422,6 +549,11 @@ def _report_failure(err: BaseException, logs: RankLogsSpecs) -> None:
         print(line, file=sys.stderr)
 
 
+def _exit(message: str, status: int = 1) -> None:
+    print(f"{_PROG}: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the launcher: start the workers, wait for them, exit 1 if any of them failed.
 
@@ -441,17 +573,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     config, entrypoint, entry_args = config_from_args(torchrun_args)
     # Without --logdir the rank folders (error files only) live in a temporary folder.
     scratch = None if args.logdir is not None else tempfile.mkdtemp(prefix="sbp_logs_")
-    logs = RankLogsSpecs(
-        args.logdir if scratch is None else scratch,
-        redirect=args.redirect_stdout_and_stderr,
-        rank_prefix=args.rank_prefix,
-    )
+    try:
+        logs = RankLogsSpecs(
+            args.logdir if scratch is None else scratch,
+            redirect=args.redirect_stdout_and_stderr,
+            rank_prefix=args.rank_prefix,
+        )
+    except OSError as err:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        why = err.strerror or str(err)
+        if err.filename and os.path.abspath(err.filename) != os.path.abspath(args.logdir):
+            why += f" ({err.filename})"
+        advice = "give a folder it can create and write to"
+        _exit(f"cannot write logs to --logdir {args.logdir}: {why}; {advice}", 2)
     config.logs_specs = logs
 
-    bind = _stores_listen_on_loopback() if _is_loopback(args.master_addr) else nullcontext()
     try:
-        with bind:
+        with _rendezvous_stores(args):
             elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    except _LaunchError as err:
+        logs.close()
+        _exit(str(err), err.status)
+    except torch.distributed.DistError as err:
+        # A rendezvous store failing after it was made: once joined, the other nodes wait
+        # (--join_timeout again) for node 0 to hand out the ranks, which it does when all
+        # nodes joined; or node 0 went away.
+        logs.close()
+        where = f"{args.master_addr}:{_master_port(args)}"
+        text = str(err).strip()
+        if args.node_rank and "assigned_ranks" in text:
+            _exit(
+                f"this node joined the rendezvous at {where}, but node 0 did not hand out the "
+                f"ranks within --join_timeout {args.join_timeout} s: not all {args.nnodes} nodes "
+                "joined (node 0's launcher says how many)"
+            )
+        first = text.splitlines()[0] if text else type(err).__name__
+        hint = " (node 0's launcher says why)" if args.node_rank else ""
+        _exit(f"rendezvous at {where} failed: {first}{hint}")
     except ChildFailedError as err:
         logs.close()  # the workers' last lines before the summary
         _report_failure(err, logs)
