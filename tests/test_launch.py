@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -218,6 +219,34 @@ def test_node_without_node0_ends_at_the_join_timeout(tmp_path):
     assert res.returncode == 1
     assert f"node 0's rendezvous store at 127.0.0.1:{port} did not answer" in line
     assert "--node_rank 1 of --nnodes 2" in line
+    assert took < QUICK
+    assert not (tmp_path / "worker_ran").exists()
+
+
+def test_node_finding_something_else_at_node0s_port(tmp_path):
+    # A program that is not a rendezvous store answers there: TCPStore's client retries
+    # and logs a C++ stack trace for each try, all held back for the one line.
+    script = write(tmp_path / "w.py", NO_WORKER)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+
+        def answer():
+            while True:
+                try:
+                    conn, _ = other.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        args = ("--nnodes", "2", "--node_rank", "1", "--master_port", str(port))
+        res, took = timed_launch(*args, "--join_timeout", "1", str(script), cwd=tmp_path)
+    line = one_line(res)
+    assert res.returncode == 1
+    assert f"something answers at 127.0.0.1:{port}, but it is not node 0's rendezvous" in line
     assert took < QUICK
     assert not (tmp_path / "worker_ran").exists()
 

@@ -421,6 +421,11 @@ def _rendezvous_error(
             f"(--node_rank {others}) with --nnodes {args.nnodes} "
             f"--master_addr {args.master_addr} --master_port {port}, or raise --join_timeout"
         )
+    if not is_master and "Ping failed" in text:
+        return _LaunchError(
+            f"something answers at {where}, but it is not node 0's rendezvous store (another "
+            "program listens there?); check --master_addr and --master_port"
+        )
     if not is_master and isinstance(err, torch.distributed.DistNetworkError):
         return _node0_silent(args)
     return None
@@ -455,6 +460,34 @@ def _wait_for_node0(host: str, port: int, args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
+def _stderr_held() -> Iterator[None]:
+    """Hold back what this process writes to stderr (fd 2, C++ logs included) meanwhile.
+
+    It is written out afterwards, unless a `_LaunchError` ends the block: that one line
+    says what went wrong instead.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    keep = True
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except _LaunchError:
+            keep = False
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if keep:
+                held.seek(0)
+                data = memoryview(held.read())
+                while data:
+                    data = data[os.write(2, data) :]
+
+
+@contextlib.contextmanager
 def _rendezvous_stores(args: argparse.Namespace) -> Iterator[None]:
     """Watch the rendezvous stores torchrun makes in this process.
 
@@ -473,8 +506,13 @@ def _rendezvous_stores(args: argparse.Namespace) -> Iterator[None]:
 
     def store(host_name, port, *rest, **kwargs):
         is_master = kwargs.get("is_master", rest[1] if len(rest) > 1 else False)
-        if not is_master:
+        if is_master:
+            return make(host_name, port, rest, kwargs, is_master=True)
+        with _stderr_held():  # TCPStore's C++ log of each failed try to reach node 0
             _wait_for_node0(host_name, port, args)
+            return make(host_name, port, rest, kwargs, is_master=False)
+
+    def make(host_name, port, rest, kwargs, is_master):
         try:
             if is_master and kwargs.get("master_listen_fd") is None and _is_loopback(host_name):
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -489,7 +527,7 @@ def _rendezvous_stores(args: argparse.Namespace) -> Iterator[None]:
                 kwargs["master_listen_fd"] = sock.detach()
             return real(host_name, port, *rest, **kwargs)
         except (OSError, torch.distributed.DistError) as err:
-            mine = _rendezvous_error(err, args, bool(is_master))
+            mine = _rendezvous_error(err, args, is_master)
             if mine is None:
                 raise
             raise mine from None
