@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import arrival, cost, functional, shm, stats
+from sbp.comm import arrival, cost, fingerprint, functional, shm, stats
 from sbp.comm.groups import get_group, group_order
-from sbp.errors import CommTimeoutError, PlacementError
+from sbp.errors import CommTimeoutError, MetaMismatchError, PlacementError
 
 Ranks = tuple[int, ...]
 
@@ -110,6 +110,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
     if segment is not None:
         segment.all_gather(target, input)
     else:
+        _agree("all_gather", input, ranks)
         with guarded("all_gather", ranks):
             _all_gather_single(target, input, group=get_group(ranks))
     if order is not None:
@@ -151,6 +152,33 @@ def _shared_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segmen
         return shm.segment(ranks, group)
 
 
+def _agree(
+    kind: str, tensor: torch.Tensor, ranks: Ranks, op: str | None = None, nbytes: int = -1
+) -> None:
+    """Before a gloo collective: the ranks compare its fingerprint (see `fingerprint`), in
+    the rank set's shared segment where there is one, else by a 2-element all-reduce."""
+    if not fingerprint.ENABLED or tensor.device.type != "cpu":
+        return
+    fp = fingerprint.of(kind, tensor.dtype, _nbytes(tensor) if nbytes < 0 else nbytes, op)
+    group = get_group(ranks)
+    if shm.enabled():
+        if not shm.ready(ranks, group):
+            with guarded(kind, ranks):  # (a collective sets the segment up at the first call)
+                shm.segment(ranks, group)
+        segment = shm.segment(ranks, group)
+        if segment is not None:
+            segment.agree(fp)
+            return
+    both = torch.tensor([fp, -fp], dtype=torch.int64)
+    with guarded(kind, ranks):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both[0].item(), -both[1].item()
+    if high != fp or low != fp:
+        sides = [(f"rank {env.get_rank()} (this one)", fp)]
+        sides += [("another rank", other) for other in (high, low) if other != fp]
+        raise MetaMismatchError(fingerprint.mismatch(sides, ranks, "gloo"))
+
+
 def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     """Reduce `tensor` in place over `ranks` with `op` in {sum, max, min}."""
     if len(ranks) == 1:
@@ -161,6 +189,7 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     segment = _shared_segment(tensor, ranks, "all_reduce")
     if segment is not None:  # one host: ~20 us instead of gloo's ~0.4-4 ms
         return segment.all_reduce(tensor, op)
+    _agree("all_reduce", tensor, ranks, op)
     ordered = _nan_keeping(tensor, op)
     work = tensor if ordered is None else ordered[0]
     with guarded("all_reduce", ranks):
@@ -193,6 +222,7 @@ def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
     if len(ranks) == 1:
         return Pending(None, tensor, "all_reduce", ranks)
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
+    _agree("all_reduce", tensor, ranks, op)
     with guarded("all_reduce", ranks):
         work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks), async_op=True)
     return Pending(work, tensor, "all_reduce", ranks)
@@ -213,6 +243,7 @@ def reduce_scatter(
     if order is not None:  # chunk j of the group goes to its j-th (ascending) rank
         inverse = [ranks.index(r) for r in sorted(ranks)]
         input = _rows(input, n)[inverse]
+    _agree("reduce_scatter", input, ranks, op)
     ordered = _nan_keeping(input, op)
     src = input if ordered is None else ordered[0]
     dst = output if ordered is None else src.new_empty(output.shape)
@@ -242,6 +273,7 @@ def all_to_all(
         return output.copy_(got.view(output.shape))
     row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
     stats.record("all_to_all", cost.all_to_all_bytes([s * row for s in input_splits], me))
+    _agree("all_to_all", input, ranks, nbytes=row)
     order = group_order(ranks)
     target = output
     if order is not None:  # chunks in group order (ascending ranks) on the wire
@@ -267,6 +299,7 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     if functional.tracing(tensor):
         return tensor.copy_(functional.broadcast(tensor, src, ranks))
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
+    _agree("broadcast", tensor, ranks)
     with guarded("broadcast", ranks):
         dist.broadcast(tensor, src=src, group=get_group(ranks))
     return tensor
@@ -277,6 +310,7 @@ def broadcast_async(tensor: torch.Tensor, src: int, ranks: Ranks) -> Pending:
     if len(ranks) == 1:
         return Pending(None, tensor, "broadcast", ranks)
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
+    _agree("broadcast", tensor, ranks)
     with guarded("broadcast", ranks):
         work = dist.broadcast(tensor, src=src, group=get_group(ranks), async_op=True)
     return Pending(work, tensor, "broadcast", ranks)
@@ -308,6 +342,7 @@ def exchange_p2p(
 
 def barrier(ranks: Ranks) -> None:
     if len(ranks) > 1:
+        t = torch.zeros(1)
+        _agree("barrier", t, ranks, nbytes=0)
         with guarded("barrier", ranks):
-            t = torch.zeros(1)
             dist.all_reduce(t, group=get_group(ranks))

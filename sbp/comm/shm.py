@@ -16,7 +16,12 @@ Collectives that do not fit keep to gloo: the two paths never wait on each other
 
 Every call n writes slot (n mod 2) of its rank and then publishes n. A rank reuses a
 slot at call n+2 only after every rank published n+1, which each does after reading
-call n's slots, so no part is overwritten before everyone has read it.
+call n's slots, so no part is overwritten before everyone has read it. Beside its
+sequence number each rank writes the call's fingerprint (see `fingerprint`), one per
+slot parity likewise, and every rank compares them before reading a part: ranks whose
+n-th calls differ raise `MetaMismatchError` together. A gloo collective of the set meets
+the others here first with its fingerprint alone (`agree`), so the two paths keep one
+count of calls and a small call paired with a large one is caught as well.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.errors import CommTimeoutError
+from sbp.comm import fingerprint
+from sbp.errors import CommTimeoutError, MetaMismatchError
 
 SLOT_BYTES = 64 * 1024
 LINE = 64  # one cache line per rank's sequence number
@@ -55,6 +61,9 @@ class Segment:
         n = len(ranks)
         self.me = ranks.index(env.get_rank())
         self.seq = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=0, strides=(LINE,))
+        self.fingerprints = np.ndarray(  # (rank, slot parity), in the sequence number's line
+            (n, 2), dtype=np.int64, buffer=mapping, offset=8, strides=(LINE, 8)
+        )
         with torch.inference_mode(False):
             self.slots = torch.frombuffer(
                 mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * SLOT_BYTES
@@ -78,20 +87,40 @@ class Segment:
             views = self._view_cache[key] = (parts[self.me], rows, parts)
         return views
 
-    def _exchange(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _exchange(self, tensor: torch.Tensor, fp: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every rank's `tensor`: as rows in ascending rank order, and one by one (views of
         the slots, valid until the call after next)."""
         self.calls += 1
         n = self.calls
         mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
         mine.copy_(tensor.view(-1))
+        self.fingerprints[self.me, n & 1] = fp
         self.seq[self.me] = n
         self._wait(n)
+        if fingerprint.ENABLED:
+            self._check(n & 1, fp)
         return rows, parts
+
+    def agree(self, fp: int) -> None:
+        """Meet the other ranks with fingerprint `fp` alone (before a gloo collective)."""
+        self.calls += 1
+        n = self.calls
+        self.fingerprints[self.me, n & 1] = fp
+        self.seq[self.me] = n
+        self._wait(n)
+        self._check(n & 1, fp)
+
+    def _check(self, parity: int, fp: int) -> None:
+        fps = self.fingerprints
+        for k in self.others:
+            if fps[k, parity] != fp:
+                sides = [(f"rank {r}", int(fps[i, parity])) for i, r in enumerate(self.ranks)]
+                raise MetaMismatchError(fingerprint.mismatch(sides, self.ranks, "shared memory"))
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`tensor` (contiguous, CPU, at most SLOT_BYTES) reduced over the set, in place."""
-        rows, parts = self._exchange(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        rows, parts = self._exchange(tensor, fingerprint.of("all_reduce", tensor.dtype, nbytes, op))
         flat = tensor.view(-1)
         if op == "sum":  # in rank order on every rank: the same bits everywhere
             if len(parts) == 2:
@@ -108,7 +137,8 @@ class Segment:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """Every rank's `input` stacked in ascending rank order into `output`."""
-        rows, _ = self._exchange(input)
+        nbytes = input.numel() * input.element_size()
+        rows, _ = self._exchange(input, fingerprint.of("all_gather", input.dtype, nbytes))
         output.view(len(self.ranks), -1).copy_(rows)
         return output
 
@@ -151,6 +181,11 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def enabled() -> bool:
+    """Is the shared-memory path on in this process (x86-64, SBP_SHM not 0)?"""
+    return _ENABLED
 
 
 def usable(tensor: torch.Tensor) -> bool:

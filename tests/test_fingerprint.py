@@ -1,0 +1,152 @@
+"""Collectives out of step across ranks are caught by their fingerprints, on every rank,
+before any data moves: never mixed data, never gloo's abort of the process.
+
+Before: two conversions run in swapped order on one rank paired a 24-byte exchange with
+a 32-byte one in shared memory (both ranks got wrong values), and with large tensors
+gloo aborted the process ("Received data size doesn't match expected size"); a layer
+frozen on one rank, or another bucket size, aborted in the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import sbp
+from sbp.comm import collectives, fingerprint, shm
+
+S0, B = sbp.split(0), sbp.broadcast
+
+
+def _raises_mismatch(fn) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(sbp.MetaMismatchError) as info:
+        fn()
+    return str(info.value), time.monotonic() - start
+
+
+def _swapped_reductions(numel_a: int, numel_b: int, shared_memory: bool) -> tuple[str, float]:
+    """Rank 0 sums a then b, the others b then a; both are float32 of different sizes."""
+    saved = shm._ENABLED
+    shm._ENABLED = shared_memory
+    try:
+        ranks = tuple(range(sbp.env.get_world_size()))
+        a, b = torch.ones(numel_a), torch.ones(numel_b)
+        first, second = (a, b) if sbp.env.get_rank() == 0 else (b, a)
+
+        def run():
+            collectives.all_reduce(first, "sum", ranks)
+            collectives.all_reduce(second, "sum", ranks)
+
+        message, seconds = _raises_mismatch(run)
+        assert torch.equal(a, torch.ones(numel_a)) and torch.equal(b, torch.ones(numel_b))
+        collectives.all_reduce(torch.ones(3), "sum", ranks)  # the ranks are in step again
+        return message, seconds
+    finally:
+        shm._ENABLED = saved
+
+
+@pytest.mark.parametrize(
+    "numel_a, numel_b, shared_memory",
+    [
+        (6, 8, True),  # 24 and 32 bytes in shared memory: wrong values before
+        (300_000, 400_000, True),  # gloo, checked in the shared segment: SIGABRT before
+        (6, 300_000, True),  # one rank in shared memory, the other in gloo
+        (300_000, 400_000, False),  # gloo across hosts: a 2-element all-reduce first
+    ],
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_swapped_collectives_raise_on_every_rank(
+    numel_a, numel_b, shared_memory, world, pool2, pool4
+):
+    pool = pool2 if world == 2 else pool4
+    for rank, (message, seconds) in enumerate(
+        pool.run(_swapped_reductions, numel_a, numel_b, shared_memory)
+    ):
+        assert "collectives out of step over ranks" in message
+        assert seconds < 5
+        a, b = f"all_reduce(sum) of {4 * numel_a} bytes", f"all_reduce(sum) of {4 * numel_b} bytes"
+        if shared_memory:  # every rank sees each rank's side
+            assert f"rank 0 ran {a}" in message and b in message, message
+        else:  # each rank sees its own side and the other one
+            mine, other = (a, b) if rank == 0 else (b, a)
+            assert f"rank {rank} (this one) ran {mine}" in message, message
+            assert f"another rank ran {other}" in message, message
+
+
+def _swapped_conversions() -> tuple[str, float]:
+    """Two re-boxings, checked once in one order (the metadata check is then cached), then
+    in swapped order on rank 1: (6, 1) and (8, 1) split(0) -> broadcast."""
+    P = sbp.placement.all("cpu")
+    x = sbp.ones(6, 1, placement=P, sbp=S0)
+    y = sbp.ones(8, 1, placement=P, sbp=S0)
+    x.to_global(sbp=B), y.to_global(sbp=B)
+    first, second = (x, y) if sbp.env.get_rank() == 0 else (y, x)
+
+    def run():
+        first.to_global(sbp=B)
+        second.to_global(sbp=B)
+
+    return _raises_mismatch(run)
+
+
+def test_conversions_in_swapped_order_raise_on_every_rank(pool2):
+    for message, seconds in pool2.run(_swapped_conversions):
+        assert "all_gather of 12 bytes" in message and "all_gather of 16 bytes" in message
+        assert seconds < 5
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _diverged_training(divergence: str) -> tuple[str, float]:
+    """Data-parallel training where rank 1 froze a layer or has another bucket size."""
+    torch.manual_seed(0)
+    P = sbp.placement.all("cpu")
+    model = _Net().to_global(P, B)
+    one = sbp.env.get_rank() == 1
+    if divergence == "frozen" and one:
+        model.a.weight.requires_grad_(False)
+    if divergence == "bucket":
+        sbp.nn.data_parallel(model, bucket_mb=(64 * 64 * 4 / 2**20) if one else 25)
+    x = torch.randn(8, 64).to_global(P, S0)
+    y = torch.randint(0, 8, (8,)).to_global(P, S0)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.full_tensor()
+
+    return _raises_mismatch(step)
+
+
+@pytest.mark.parametrize("divergence", ["frozen", "bucket"])
+def test_per_rank_differences_in_data_parallel_raise_on_every_rank(divergence, pool2):
+    for message, seconds in pool2.run(_diverged_training, divergence):
+        assert "collectives out of step" in message and "all_reduce(sum)" in message
+        assert seconds < 10
+
+
+def test_fingerprints_tell_kinds_ops_dtypes_and_sizes_apart():
+    kinds = [
+        fingerprint.of(kind, dtype, nbytes, op)
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+        for dtype in (torch.float32, torch.int64, torch.bfloat16)
+        for nbytes in (0, 24, 32, 2**39)
+        for op in (None, "sum", "max")
+    ]
+    assert len(set(kinds)) == len(kinds)
+    fp = fingerprint.of("reduce_scatter", torch.bfloat16, 4096, "max")
+    assert fingerprint.describe(fp) == "reduce_scatter(max) of 4096 bytes of torch.bfloat16"
+    assert 0 < fp < 2**63
