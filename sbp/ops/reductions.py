@@ -197,3 +197,38 @@ def scan_backward(call: Call) -> list[Strategy]:
     """(grad, input, dim, output) and (grad, input, indices, dim): every tensor as the input."""
     dim_pos = 2 if call.func.overloadpacket is aten.cumprod_backward else 3
     return split_except_dim(call, dim_pos, len(call.specs))
+
+
+# ---------------------------------------------------------------- selections along a dim
+# (topk and sort pick along `dim` only: a split of any other dim stays, and their indices,
+# counted along the unsplit `dim`, are the logical ones. Top-k accuracy over a batch split
+# on dim 0 keeps it split: no gather of the logits. Over a split `dim` they run broadcast.)
+
+
+@register_strategy(aten.topk)
+def topk(call: Call) -> list[Strategy]:
+    """topk(self, k, dim=-1, largest, sorted): values and indices laid out alike."""
+    return split_except_dim(call, 2, 1, n_out=2, default=-1)
+
+
+@register_strategy(aten.sort.default, aten.sort.stable)
+def sort(call: Call) -> list[Strategy]:
+    """sort(self, dim=-1, descending) and sort(self, *, stable, dim=-1, descending)."""
+    return split_except_dim(call, 1, 1, n_out=2, default=-1)
+
+
+@register_strategy(aten.kthvalue.default, aten.mode.default)
+def select_one(call: Call) -> list[Strategy]:
+    """kthvalue(self, k, dim=-1, keepdim) and mode(self, dim=-1, keepdim): one value and its
+    index per row along `dim`, which goes unless keepdim."""
+    dim_pos = 2 if call.func.overloadpacket is aten.kthvalue else 1
+    ndim = len(call.specs[0].shape)
+    dim = call.arg(dim_pos, "dim", -1)
+    dim = dim + ndim if dim < 0 else dim
+    keepdim = bool(call.arg(dim_pos + 1, "keepdim", False))
+    cands = [Strategy((broadcast,), (broadcast, broadcast))]
+    for d in range(ndim):
+        if d != dim:
+            out = split(d if keepdim or d < dim else d - 1)
+            cands.append(Strategy((split(d),), (out, out)))
+    return cands

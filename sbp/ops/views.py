@@ -212,6 +212,26 @@ def scatter_add(call: Call) -> list[Strategy]:
     return cands
 
 
+@register_strategy(aten.scatter, aten.scatter_, check=indices_within((2, "index"), _dim_size))
+def scatter(call: Call) -> list[Strategy]:
+    """self with src's elements (or a value) written at index along `dim` (the backward of
+    topk, sort, kthvalue: zeros with the gradient scattered back): a split of another dim
+    stays where every tensor splits it alike (the same size there); else broadcast."""
+    shapes = [s.shape for s in call.specs]
+    n = len(shapes)
+    cands = [Strategy((broadcast,) * n, (broadcast,))]
+    ndim = len(shapes[0])
+    if ndim == 0 or min(len(s) for s in shapes) != ndim:
+        return cands
+    dim = _norm(call.arg(1, "dim"), ndim)
+    cands += [
+        Strategy((split(d),) * n, (split(d),))
+        for d in range(ndim)
+        if d != dim and len({s[d] for s in shapes}) == 1
+    ]
+    return cands
+
+
 @register_strategy(aten.slice_backward, aten.select_backward, local_args=local_out_size)
 def slicing_backward(call: Call) -> list[Strategy]:
     """A slice's (select's) gradient: the incoming gradient inside zeros of the input's
