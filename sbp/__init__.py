@@ -7,6 +7,7 @@ from sbp.errors import (
     DeviceMismatchError,
     IndexRangeError,
     InputTypeError,
+    InputValueError,
     LabelRangeError,
     MetaMismatchError,
     PlacementError,
@@ -43,6 +44,11 @@ def _install_methods() -> None:
     if not hasattr(torch.nn.Module, "to_global"):
         torch.nn.Module.to_global = module_to_global
 
+    # torch.tensor([g, n]) of a global 0-dim g: its logical value (see sbp.tensor_data)
+    from sbp import tensor_data
+
+    tensor_data.install()
+
     # Let clip_grad_norm_ and foreach optimizers batch global tensors like DTensor does.
     from torch.utils import _foreach_utils
 
@@ -67,6 +73,7 @@ __all__ = [
     "GlobalTensor",
     "DeviceMismatchError",
     "InputTypeError",
+    "InputValueError",
     "IndexRangeError",
     "LabelRangeError",
     "MetaMismatchError",

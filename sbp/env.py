@@ -11,6 +11,7 @@ import atexit
 import ctypes
 import datetime
 import gc
+import math
 import os
 import re
 import signal
@@ -19,24 +20,77 @@ import sys
 import torch
 import torch.distributed as dist
 
-from sbp.errors import SbpError
+from sbp.errors import InputTypeError, InputValueError, SbpError
+
+
+def _positive_seconds(seconds: float, what: str) -> datetime.timedelta:
+    """`seconds` as a timedelta, where it is a positive, finite number that one fits (torch
+    keeps a group's timeout in milliseconds); else `InputValueError` naming `what`."""
+    if seconds > 0 and math.isfinite(seconds):
+        try:
+            out = datetime.timedelta(seconds=seconds)
+        except OverflowError:
+            pass
+        else:
+            if out <= _LONGEST_TIMEOUT:
+                return out
+    raise InputValueError(
+        f"{what} must be a positive, finite number of seconds (at most ~68 years), got "
+        f"{seconds!r}; pass a number of seconds such as 300"
+    )
+
+
+_LONGEST_TIMEOUT = datetime.timedelta(milliseconds=2**31 - 1) * 1000  # (int64 ms, spare room)
+
+
+def _timeout_from_environment() -> tuple[datetime.timedelta, SbpError | None]:
+    """`SBP_TIMEOUT` (seconds, default 300), and what is wrong with it: raised by `init`,
+    not at import (`import sbp` works, and `init(timeout=...)` overrides the variable)."""
+    text = os.environ.get("SBP_TIMEOUT")
+    fallback = datetime.timedelta(seconds=300)
+    if text is None:
+        return fallback, None
+    try:
+        seconds = float(text)
+    except ValueError:
+        return fallback, InputValueError(
+            f"SBP_TIMEOUT={text!r} is not a number of seconds; set it to one "
+            "(SBP_TIMEOUT=300, not 5min) or unset it for the default, 300"
+        )
+    try:
+        return _positive_seconds(seconds, f"SBP_TIMEOUT={text!r}"), None
+    except InputValueError as e:
+        return fallback, e
+
 
 # torch's default is 30 minutes: a script with a bug on one rank would hang that long. Five
 # minutes outlasts slow first steps (data loading, compilation) and still fails an interactive
 # job in reasonable time; `SBP_TIMEOUT` (seconds) or `init(timeout=...)` change it.
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SBP_TIMEOUT", 300)))
+DEFAULT_TIMEOUT, _ENVIRONMENT_ERROR = _timeout_from_environment()
 
 _state: dict = {"ready": False, "rank": 0, "world": 1, "local_rank": 0, "timeout": DEFAULT_TIMEOUT}
 
 
 def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    """`init`'s timeout: None takes `SBP_TIMEOUT`'s. A bool is no number of seconds (True
+    was taken as 1 s), and infinity overflowed inside datetime."""
     if timeout is None:
+        if _ENVIRONMENT_ERROR is not None:
+            raise _ENVIRONMENT_ERROR
         return DEFAULT_TIMEOUT
     if isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0:
-        return datetime.timedelta(seconds=float(timeout))
-    raise SbpError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+        if timeout > datetime.timedelta(0):
+            return _positive_seconds(timeout.total_seconds(), "sbp.env.init: timeout")
+        raise InputValueError(
+            f"sbp.env.init: timeout must be positive, got {timeout!r}; pass a number of "
+            "seconds such as 300"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InputTypeError(
+            f"sbp.env.init: timeout must be a number of seconds or a datetime.timedelta, got "
+            f"{timeout!r}"
+        )
+    return _positive_seconds(float(timeout), "sbp.env.init: timeout")
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -76,6 +130,11 @@ def default_backend() -> str:
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
     """Start (or adopt) the default process group. Idempotent; a new `timeout` applies at once
     to every process group that already exists, and to those made later."""
+    if backend is not None and not isinstance(backend, str):
+        raise InputTypeError(
+            f"sbp.env.init: backend must be a string such as 'gloo', 'nccl' or "
+            f"'cpu:gloo,cuda:nccl', got {backend!r}"
+        )
     if timeout is not None or not _state["ready"]:
         _state["timeout"] = _as_timedelta(timeout)
     if _state["ready"]:

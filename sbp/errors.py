@@ -29,6 +29,11 @@ class InputTypeError(SbpError, TypeError):
     """An argument of a type sbp cannot place: `to_global` on a numpy array, a number, a string."""
 
 
+class InputValueError(SbpError, ValueError):
+    """An argument of the right type with a value sbp cannot use: a timeout that is not a
+    positive, finite number of seconds, an option outside its choices, a rank outside the world."""
+
+
 class LabelRangeError(SbpError, IndexError):
     """A loss's class label outside [0, classes) that is not its `ignore_index`."""
 

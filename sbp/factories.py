@@ -10,6 +10,7 @@ differently get different "broadcast" values. `sbp.tensor(data)` does check (a h
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -22,11 +23,19 @@ from sbp.errors import InputTypeError, PlacementError, SbpError, SbpSignatureErr
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import GlobalTensor, box, learn_range
+from sbp.tensor import GlobalTensor, box, learn_range, unsupported_kind
 
 
 def manual_seed(seed: int) -> None:
-    """Seed torch's generators and sbp's random ops alike on this rank (use one seed on all)."""
+    """Seed torch's generators and sbp's random ops alike on this rank (use one seed on all).
+    An int: a float or a string would be truncated or fail inside torch."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        try:
+            seed = operator.index(seed)  # (numpy integers)
+        except TypeError:
+            raise InputTypeError(
+                f"sbp.manual_seed: seed must be an int, got {seed!r}; pass int(seed)"
+            ) from None
     torch.manual_seed(seed)
     sbp_random.manual_seed(seed)
 
@@ -80,11 +89,10 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
             value = torch.as_tensor(data, dtype=dtype, device=device)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InputTypeError(f"sbp.tensor: cannot make a tensor of data: {e}") from e
-        if value.layout != torch.strided:
-            raise InputTypeError(
-                f"sbp.tensor: data is a {value.layout} tensor; global tensors are dense: "
-                "pass data.to_dense()"
-            )
+        kind = unsupported_kind(value)
+        if kind is not None:
+            raise InputTypeError(f"sbp.tensor: data is {kind}")
+        check_requires_grad("sbp.tensor", requires_grad, value.dtype)
         description = {
             "placement": repr(placement),
             "sbp": repr(normalize_nd_sbp(sbp, placement.ndim, value.dim())),
@@ -100,6 +108,19 @@ def tensor(data: Any, placement: Placement, sbp: Any, *, dtype=None, requires_gr
     out = from_logical(value.clone(), placement, sbp, requires_grad, checked=True)
     learn_range(out, value)
     return out
+
+
+def check_requires_grad(name: str, requires_grad: Any, dtype: torch.dtype) -> None:
+    """`requires_grad` is a bool, and True only for a dtype autograd differentiates: checked
+    before the value is placed (torch's own check came after, and a string was taken as
+    true)."""
+    if not isinstance(requires_grad, bool):
+        raise InputTypeError(f"{name}: requires_grad must be True or False, got {requires_grad!r}")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise InputTypeError(
+            f"{name}: requires_grad=True needs a floating point or complex dtype, got {dtype}; "
+            "pass dtype=torch.float32 (or another float dtype), or requires_grad=False"
+        )
 
 
 def _value(fn, args: tuple, placement: Any, sbp: Any, **kw) -> torch.Tensor:
@@ -119,6 +140,7 @@ def _factory(fn):
         if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
             size = tuple(size[0])
         value = _value(fn, size, placement, sbp, dtype=dtype, **kw)
+        check_requires_grad(f"sbp.{fn.__name__}", requires_grad, value.dtype)
         return from_logical(value, placement, sbp, requires_grad)
 
     make.__name__ = fn.__name__
@@ -137,9 +159,11 @@ def full(
     size, fill_value, *, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False
 ):
     value = _value(torch.full, (size, fill_value), placement, sbp, dtype=dtype)
+    check_requires_grad("sbp.full", requires_grad, value.dtype)
     return from_logical(value, placement, sbp, requires_grad)
 
 
 def arange(*args, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False):
     value = _value(torch.arange, args, placement, sbp, dtype=dtype)
+    check_requires_grad("sbp.arange", requires_grad, value.dtype)
     return from_logical(value, placement, sbp, requires_grad)

@@ -13,7 +13,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from sbp.errors import PlacementError, SbpError
+from sbp.errors import InputTypeError, InputValueError, PlacementError
 from sbp.placement import index_of_coord
 from sbp.placement import placement as Placement
 from sbp.signature import NdSbp, normalize_nd_sbp
@@ -65,13 +65,14 @@ def local_ranges(
 
 
 def check_shape(shape: Any) -> tuple[int, ...]:
-    """A logical shape as a tuple of non-negative ints, or an `SbpError` naming `shape`."""
+    """A logical shape as a tuple of non-negative ints, else an `InputTypeError` (not ints)
+    or `InputValueError` (a negative size) naming `shape`."""
     try:
         out = tuple(operator.index(d) for d in shape)
     except TypeError:
-        raise SbpError(f"shape must be a sequence of ints, got {shape!r}") from None
+        raise InputTypeError(f"shape must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in out):
-        raise SbpError(f"shape must not have negative sizes, got {tuple(shape)!r}")
+        raise InputValueError(f"shape must not have negative sizes, got {tuple(shape)!r}")
     return out
 
 
@@ -79,6 +80,8 @@ def local_slices(
     shape: Sequence[int], placement: Placement, nd_sbp: Any, coord: Any
 ) -> tuple[slice, ...]:
     """The slice of the logical tensor held at hierarchy `coord` (a tuple, or an int for 1-D)."""
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"placement must be an sbp.placement, got {placement!r}")
     shape = check_shape(shape)
     nd = normalize_nd_sbp(nd_sbp, placement.ndim, len(shape))
     ranges = local_ranges(shape, placement.hierarchy, nd, _coord(placement, coord))

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from sbp import comm, env
 from sbp.boxing.executor import empty_local, local_device
-from sbp.errors import PlacementError
+from sbp.errors import InputTypeError, PlacementError
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -47,8 +47,8 @@ FACTORIES = frozenset(
         torch.ones,
         torch.full,
         torch.empty,
-        torch.tensor,
-        torch.as_tensor,
+        getattr(torch.tensor, "__sbp_wrapped__", torch.tensor),  # (torch's own: what a
+        getattr(torch.as_tensor, "__sbp_wrapped__", torch.as_tensor),  # mode is passed)
         torch.linspace,
         torch.eye,
         torch.scalar_tensor,
@@ -119,11 +119,18 @@ def implicit_replication(check: bool = False) -> Iterator[None]:
     """Inside, a local tensor mixed with global tensors in an op is the broadcast value of the
     op's placement (DTensor's `implicit_replication`). With `check=True`, every such value is
     compared across the placement's ranks first (one small all-gather per use)."""
-    _replicating.append(bool(check))
+    _check_flag("implicit_replication", check)
+    _replicating.append(check)
     try:
         yield
     finally:
         _replicating.pop()
+
+
+def _check_flag(name: str, check: Any) -> None:
+    """`check` is a bool: `check="no"` would be true, and cost an all-gather per value."""
+    if not isinstance(check, bool):
+        raise InputTypeError(f"sbp.{name}: check must be True or False, got {check!r}")
 
 
 def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: list[int], P) -> None:
@@ -166,13 +173,15 @@ def _in_torch(module: str) -> bool:
 
 def _called_by_sbp() -> bool:
     """Was the factory called by sbp's own machinery (not a user's script, model or test
-    helper)? The first caller outside torch's own Python code and torch function modes
-    (which pass calls on: the fast path's checking pass has one) decides: a model's forward
+    helper)? The first caller outside torch's own Python code, torch function modes
+    (which pass calls on: the fast path's checking pass has one) and sbp's wrapper of
+    `torch.tensor` (`sbp.tensor_data`) decides: a model's forward
     run by sbp (the data-parallel fast path) still makes global constants."""
     frame = sys._getframe(2)
     while frame is not None and (
         _in_torch(frame.f_globals.get("__name__", ""))
         or frame.f_code.co_name == "__torch_function__"
+        or frame.f_globals.get("__name__") == "sbp.tensor_data"  # (torch.tensor's wrapper)
     ):
         frame = frame.f_back
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
@@ -218,6 +227,7 @@ def global_mode(placement: Placement, sbp: Any = None, *, check: bool = False) -
     placement's ranks first."""
     if not isinstance(placement, Placement):
         raise PlacementError(f"global_mode: placement must be an sbp.placement, got {placement!r}")
+    _check_flag("global_mode", check)
     if sbp is None:
         sbp = (broadcast,) * placement.ndim
     placement.check_in_world(env.get_world_size())

@@ -30,6 +30,7 @@ from sbp.errors import (
     MetaMismatchError,
     PlacementError,
     SbpError,
+    SbpSignatureError,
 )
 from sbp.layout import GlobalSpec, check_shape, logical_size_along
 from sbp.placement import placement as Placement
@@ -190,9 +191,15 @@ class GlobalTensor(torch.Tensor):
         *,
         grad_sbp: Any = None,
         shape: Any = None,
+        sync_data: bool = True,
+        check_meta: bool = True,
     ):
         """Re-box to another placement and/or sbp (None keeps the current one). `shape=`,
-        which a local tensor's `to_global` takes, may be given: it must be the logical one."""
+        which a local tensor's `to_global` takes, may be given: it must be the logical one;
+        so may `sync_data` and `check_meta` (checked to be bools, else unused: a re-box moves
+        the values it has, and ranks agree on it through `agreement.check_rebox`), so that a
+        nest mixing local and global tensors takes them."""
+        _check_options(sync_data, check_meta)
         if placement is not None and not isinstance(placement, Placement):
             raise PlacementError(
                 f"to_global: placement must be an sbp.placement, got {placement!r}"
@@ -898,10 +905,16 @@ def locals_to_global(
 ) -> list[GlobalTensor]:
     """`local_to_global` of several tensors with one metadata exchange (a batch's inputs and
     labels: each exchange is a collective, ~0.5-4 ms on a busy host)."""
-    errors = [_bad_input(x, placement, sbp, shape) for x in xs]
+    try:
+        _check_options(sync_data, check_meta)
+        errors = [_bad_input(x, placement, sbp, shape) for x in xs]
+        if grad_sbp is not None and isinstance(placement, Placement):
+            normalize_nd_sbp(grad_sbp, placement.ndim)
+    except SbpError as e:
+        errors = [e]
     bad = next((e for e in errors if e is not None), None)
     if bad is not None:  # every rank raises it at once, not only this one
-        if check_meta:
+        if check_meta is not False:
             agreement.raise_everywhere(bad)
         raise bad
     me = env.get_rank()
@@ -997,6 +1010,34 @@ def _local_to_global(
     return out
 
 
+def unsupported_kind(x: torch.Tensor) -> str | None:
+    """What kind of tensor `x` is where global tensors cannot hold it, and the way out; None
+    for a dense tensor. A global tensor is a dense tensor split by rows of its logical shape:
+    a nested tensor has no one shape (torch's own error was 'NestedTensorImpl doesn't
+    support sizes'), and a quantized one would be made global silently, its scale and zero
+    point left out of every op's rule."""
+    if x.is_nested:
+        return (
+            "a nested tensor (torch.nested); global tensors are dense: pass "
+            "x.to_padded_tensor(0), or each of x.unbind() on its own"
+        )
+    if x.layout != torch.strided:
+        return f"a {x.layout} tensor; global tensors are dense: pass x.to_dense()"
+    if x.is_quantized:
+        return (
+            f"a quantized tensor ({x.dtype}); global tensors hold plain dtypes: pass "
+            "x.dequantize(), and quantize the global result's local tensors if needed"
+        )
+    return None
+
+
+def _check_options(sync_data: Any, check_meta: Any) -> None:
+    """`to_global`'s flags are bools: a string such as "no" is true and was taken so."""
+    for name, value in (("sync_data", sync_data), ("check_meta", check_meta)):
+        if not isinstance(value, bool):
+            raise InputTypeError(f"to_global: {name} must be True or False, got {value!r}")
+
+
 def _bad_input(x: Any, placement: Any, sbp: Any, shape: Any) -> SbpError | None:
     """What is wrong with this rank's arguments to `to_global`, found without communication."""
     if not isinstance(x, torch.Tensor):
@@ -1004,12 +1045,21 @@ def _bad_input(x: Any, placement: Any, sbp: Any, shape: Any) -> SbpError | None:
             f"to_global: expected a torch.Tensor (or a dict/list/tuple of them), got "
             f"{type(x).__name__}; make it one first (torch.as_tensor(x))"
         )
-    if x.layout != torch.strided:
-        return InputTypeError(
-            f"to_global: x is a {x.layout} tensor; global tensors are dense: pass x.to_dense()"
+    kind = unsupported_kind(x)
+    if kind is not None:
+        return InputTypeError(f"to_global: x is {kind}")
+    if placement is None:
+        return PlacementError(
+            "to_global: a local tensor needs placement= (an sbp.placement, such as "
+            "sbp.placement.all('cpu')); placement=None keeps a global tensor's own"
         )
     if not isinstance(placement, Placement):
         return PlacementError(f"to_global: placement must be an sbp.placement, got {placement!r}")
+    if sbp is None:
+        return SbpSignatureError(
+            "to_global: a local tensor needs sbp= (sbp.split(d), sbp.broadcast or "
+            "sbp.partial_sum); sbp=None keeps a global tensor's own"
+        )
     try:
         placement.check_in_world(env.get_world_size())
         local_device(placement.type)  # a cuda placement with no GPU
@@ -1044,11 +1094,21 @@ def to_global(obj: Any, placement: Placement | None = None, sbp: Any = None, **k
     unchanged; anything else given alone (a numpy array, a number) is an `InputTypeError`
     on every rank.
     """
+    unknown = sorted(set(kwargs) - _LOCAL_OPTIONS)
+    if unknown:
+        raise InputTypeError(
+            f"to_global: unknown keyword argument(s) {', '.join(unknown)}; it takes placement=, "
+            "sbp=, shape=, sync_data=, check_meta= and grad_sbp= (a global tensor's re-box: "
+            "shape= and grad_sbp=)"
+        )
     if not isinstance(obj, (torch.Tensor, Mapping, list, tuple)):
         if placement is None or sbp is None:
             raise InputTypeError(f"to_global: expected a torch.Tensor, got {type(obj).__name__}")
         return local_to_global(obj, placement, sbp, **kwargs)
     return _tree_to_global(obj, placement, sbp, **kwargs)
+
+
+_LOCAL_OPTIONS = frozenset(("shape", "sync_data", "check_meta", "grad_sbp"))
 
 
 def _tree_to_global(obj: Any, placement: Any, sbp: Any, **kwargs: Any) -> Any:
@@ -1064,8 +1124,7 @@ def _tree_to_global(obj: Any, placement: Any, sbp: Any, **kwargs: Any) -> Any:
 
 def _one_to_global(placement: Any, sbp: Any, kwargs: dict):
     def convert(t: torch.Tensor) -> GlobalTensor:
-        if placement is None or sbp is None:
-            raise PlacementError("to_global on a local tensor needs both placement= and sbp=")
+        # (a missing placement= or sbp= is `_bad_input`'s: raised on every rank at once)
         return local_to_global(t, placement, sbp, **kwargs)
 
     return convert
@@ -1119,6 +1178,12 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
     that initialised differently start equal. Shared parameters stay shared. On an
     already-global module, parameters and buffers are re-boxed to `placement`/`sbp`.
     """
+    unknown = sorted(set(kwargs) - _LOCAL_OPTIONS)
+    if unknown:
+        raise InputTypeError(
+            f"module.to_global: unknown keyword argument(s) {', '.join(unknown)}; it takes "
+            "placement, sbp, shape=, sync_data=, check_meta= and grad_sbp="
+        )
     bad = None
     for t in itertools.chain(module.parameters(), module.buffers()):
         if bad is None and not isinstance(t, GlobalTensor):

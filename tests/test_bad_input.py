@@ -172,7 +172,7 @@ def _outside_world_on_last_rank(rank, world):
     [
         (_bad_sbp_on_last_rank, sbp.SbpSignatureError, "split dim 5"),
         (_bad_placement_on_last_rank, sbp.PlacementError, "'cpu'"),
-        (_bad_shape_on_first_rank, sbp.SbpError, "negative"),
+        (_bad_shape_on_first_rank, sbp.InputValueError, "negative"),
         (_numpy_on_first_rank, sbp.InputTypeError, "ndarray"),
         (_outside_world_on_last_rank, sbp.PlacementError, "outside the world"),
     ],
@@ -657,4 +657,4 @@ def test_sparse_embedding_names_its_argument(pool):
     worker's first embedding takes a second (imports), which is not the error's time."""
     for got in _expect_values(pool, _embedding, False):
         assert got == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
-    _expect_error(pool, _embedding, sbp.SbpError, True, match="sparse=True")
+    _expect_error(pool, _embedding, sbp.InputValueError, True, match="sparse=True")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from sbp.boxing.executor import execute
 from sbp.boxing.planner import Plan, Step, Transfer, plan_specs
 from sbp.kernels import empty_cache
@@ -39,6 +41,23 @@ def target_spec(src: GlobalSpec, placement: Any = None, sbp: Any = None) -> Glob
 
 
 def plan(tensor: Any, placement: Any = None, sbp: Any = None) -> Plan:
-    """The plan that `tensor.to_global(placement, sbp)` would run (pure: nothing is sent)."""
+    """The plan that `tensor.to_global(placement, sbp)` would run (pure: nothing is sent).
+
+    Its arguments are checked as a re-box's are: a plain tensor has no layout to plan from
+    (`InputTypeError`), and a placement must be an `sbp.placement` (`PlacementError`)."""
+    from sbp.errors import InputTypeError, PlacementError
+    from sbp.placement import placement as Placement
+    from sbp.tensor import GlobalTensor
+
+    if not isinstance(tensor, GlobalTensor):
+        what = "a plain torch.Tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise InputTypeError(
+            f"sbp.boxing.plan: tensor must be a global tensor, got {what}; make it global "
+            "first (x.to_global(placement, sbp)), then plan its re-box"
+        )
+    if placement is not None and not isinstance(placement, Placement):
+        raise PlacementError(
+            f"sbp.boxing.plan: placement must be an sbp.placement or None, got {placement!r}"
+        )
     src = tensor._spec
     return plan_specs(src, target_spec(src, placement, sbp))

@@ -29,6 +29,12 @@ def local_device(placement_type: str) -> torch.device:
                 "(torch.cuda.is_available() is False); use sbp.placement('cpu', ...)"
             )
         return torch.device("cuda", env.get_local_rank())
+    if placement_type != "cpu":
+        from sbp.errors import InputValueError
+
+        raise InputValueError(
+            f"device type must be 'cpu' or 'cuda', got {placement_type!r} (as sbp.placement's)"
+        )
     return torch.device("cpu")
 
 

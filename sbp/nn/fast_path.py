@@ -56,9 +56,10 @@ from sbp.comm import arrival
 from sbp.errors import (
     CommTimeoutError,
     IndexRangeError,
+    InputTypeError,
+    InputValueError,
     LabelRangeError,
     PlacementError,
-    SbpError,
 )
 from sbp.layout import GlobalSpec
 from sbp.nn import (
@@ -1893,6 +1894,12 @@ def detach_fast_path(module: torch.nn.Module) -> None:
 
 
 def state(module: torch.nn.Module) -> DataParallel:
+    """The fast path's state of `module` (a named error where it has none)."""
+    if not isinstance(module, torch.nn.Module):
+        raise InputTypeError(
+            f"expected an nn.Module made global with module.to_global(placement, "
+            f"sbp.broadcast), got {type(module).__name__}"
+        )
     fast = module.__dict__.get(ATTR)
     if fast is None:
         raise PlacementError(
@@ -1920,10 +1927,7 @@ def data_parallel(
     forward on local tensors through `torch.compile` (plain tensors, as compiled torch
     DDP), and everything around it eagerly; False (default) turns it off.
     """
-    if compile is not None and not isinstance(compile, (bool, dict)):
-        raise SbpError(
-            f"compile must be True, False or a dict of torch.compile options, got {compile!r}"
-        )
+    _check_options(fast, batch_norm, bucket_mb, compile)
     s = state(module)
     if compile is not None:
         if compile is False:
@@ -1932,8 +1936,6 @@ def data_parallel(
             s.compile_options = {} if compile is True else dict(compile)
         s._compiled, s._compile_declined = [], False
     if batch_norm is not None:
-        if batch_norm not in ("global", "local"):
-            raise SbpError(f"batch_norm must be 'global' or 'local', got {batch_norm!r}")
         s.batch_norm = batch_norm
         shard_batch_norm.remove(s.shard_batch_norms)
         compiled_batch_norm.remove(s.logical_batch_norms)
@@ -1942,12 +1944,44 @@ def data_parallel(
     if fast is not None:
         s.enabled = bool(fast)
     if bucket_mb is not None:
-        number = isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
-        if not (number and 0 < bucket_mb < float("inf")):
-            raise SbpError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
         s.bucket_bytes = int(bucket_mb * 2**20)
         s._reducer_key = None
     return module
+
+
+def _check_options(fast: Any, batch_norm: Any, bucket_mb: Any, compile: Any) -> None:
+    """`data_parallel`'s options, all checked before any is applied (a bad one leaves the
+    module as it was). Bools must be bools: `fast="no"` was taken as true."""
+    if fast is not None and not isinstance(fast, bool):
+        raise InputTypeError(f"sbp.nn.data_parallel: fast must be True or False, got {fast!r}")
+    if batch_norm is not None and not isinstance(batch_norm, str):
+        raise InputTypeError(
+            f"sbp.nn.data_parallel: batch_norm must be 'global' or 'local', got {batch_norm!r}"
+        )
+    if batch_norm is not None and batch_norm not in ("global", "local"):
+        raise InputValueError(
+            f"sbp.nn.data_parallel: batch_norm must be 'global' or 'local', got {batch_norm!r}"
+        )
+    if bucket_mb is not None:
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+            raise InputTypeError(
+                f"sbp.nn.data_parallel: bucket_mb must be a number of megabytes, got {bucket_mb!r}"
+            )
+        if not 0 < bucket_mb < float("inf"):
+            raise InputValueError(
+                f"sbp.nn.data_parallel: bucket_mb must be a positive, finite number of "
+                f"megabytes (torch DDP's default is 25), got {bucket_mb!r}"
+            )
+    if compile is not None and not isinstance(compile, (bool, dict)):
+        raise InputTypeError(
+            f"sbp.nn.data_parallel: compile must be True, False or a dict of torch.compile "
+            f"options, got {compile!r}"
+        )
+    if isinstance(compile, dict) and not all(isinstance(k, str) for k in compile):
+        raise InputTypeError(
+            f"sbp.nn.data_parallel: compile's options are torch.compile's keyword arguments "
+            f"(str keys, such as {{'mode': 'max-autotune'}}), got {compile!r}"
+        )
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from sbp import env
-from sbp.errors import InputTypeError, LabelRangeError, SbpError
+from sbp.errors import InputTypeError, InputValueError, LabelRangeError
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
@@ -326,7 +326,7 @@ def layer_norm_backward(call: Call) -> list[Strategy]:
 @register_strategy(aten.embedding, check=indices_within((1, "indices"), lambda a: a[0].shape[0]))
 def embedding(call: Call) -> list[Strategy]:
     if call.arg(4, "sparse", False):
-        raise SbpError(
+        raise InputValueError(
             "F.embedding(..., sparse=True) (nn.Embedding(sparse=True)) on global tensors: "
             "sbp has no sparse gradients; use sparse=False (a dense gradient)"
         )

@@ -414,6 +414,8 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
                     implicit.append(i)
                     key.append(None)
                     continue
+                if i == 0 and _writes_first(func):
+                    raise PlacementError(_written_local_message(func, a))
                 raise PlacementError(
                     f"{func}: mixes global tensors with a local torch.Tensor of shape "
                     f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp)), "
@@ -432,6 +434,26 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
     if implicit:
         local_constants.replicate_locals(func, flat, implicit, key, gpos, placement)
     return tuple(key), gpos
+
+
+def _writes_first(func) -> bool:
+    """Does `func` write its first argument (`copy_`, `add_`, an `out=` op's self)?"""
+    from sbp.tensor import written_args
+
+    return any(i == 0 for i, _ in written_args(func))
+
+
+def _written_local_message(func, a: torch.Tensor) -> str:
+    """The local tensor is the one written, global values written into it: most often a
+    plain model loading a global model's state dict, whose own parameter it is."""
+    return (
+        f"{func}: writes a global tensor into a local torch.Tensor of shape {tuple(a.shape)} "
+        "(the tensor written is the local one: a plain model's parameter where "
+        "plain_model.load_state_dict(global_model.state_dict()) loads it); make the model "
+        "global first (model.to_global(placement, sbp), then load_state_dict), or load plain "
+        "values (sbp.checkpoint.full_state_dict(global_model), or g.full_tensor() for one "
+        "tensor)"
+    )
 
 
 def scalar_class(v: Any) -> str | None:
