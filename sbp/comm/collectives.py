@@ -17,7 +17,7 @@ import contextlib
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from sbp import env
 from sbp.comm import arrival, cost, fingerprint, functional, shm, stats
 from sbp.comm.groups import get_group, group_order
-from sbp.errors import CommTimeoutError, MetaMismatchError, PlacementError
+from sbp.errors import CommTimeoutError, InputTypeError, MetaMismatchError, PlacementError
 
 Ranks = tuple[int, ...]
 
@@ -112,7 +112,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
     else:
         _agree("all_gather", input, ranks)
         with guarded("all_gather", ranks):
-            _all_gather_single(target, input, group=get_group(ranks))
+            _all_gather_single(_moved(target), _moved(input), group=get_group(ranks))
     if order is not None:
         _rows(output, len(ranks)).copy_(_rows(target, len(ranks))[order])
     return output
@@ -139,6 +139,49 @@ def _nan_keeping(tensor: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dty
 def _from_nan_keeping(i: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     imax = torch.iinfo(i.dtype).max
     return torch.where(i < 0, i ^ imax, i).view(dtype)
+
+
+# dtypes gloo refuses ("Invalid scalar type"): moved as a dtype of their width, reduced wider
+_GLOO_LACKS = {
+    torch.int16,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+}
+_MOVED_AS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
+
+
+def _moved(t: torch.Tensor) -> torch.Tensor:
+    """`t` as gloo moves it: the same bytes, viewed as a dtype gloo has."""
+    return t.view(_MOVED_AS[t.element_size()]) if t.dtype in _GLOO_LACKS else t
+
+
+def _reducible(tensor: torch.Tensor, op: str) -> tuple[torch.Tensor, Callable | None]:
+    """What gloo reduces for `tensor`, and how its result becomes `tensor`'s values (None:
+    it reduced `tensor`'s own memory).
+
+    Floats under max/min as ordered integers (NaN kept); int16/uint16/uint32 in int64 and
+    float8 in float32 (cast back as torch casts: integers wrap); uint64 sums as int64
+    (two's complement sums wrap alike)."""
+    ordered = _nan_keeping(tensor, op)
+    if ordered is not None:
+        return ordered[0], lambda work: _from_nan_keeping(work, ordered[1])
+    if tensor.dtype not in _GLOO_LACKS:
+        return tensor, None
+    if tensor.dtype == torch.uint64:
+        if op != "sum":
+            raise InputTypeError(
+                f"a {op} over ranks of a torch.uint64 tensor: gloo has no unsigned 64-bit "
+                "integers; convert it to torch.int64 first"
+            )
+        return tensor.view(torch.int64), None
+    return tensor.to(torch.float32 if tensor.is_floating_point() else torch.int64), _same
+
+
+def _same(work: torch.Tensor) -> torch.Tensor:
+    return work
 
 
 def _shared_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment | None:
@@ -190,14 +233,11 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     if segment is not None:  # one host: ~20 us instead of gloo's ~0.4-4 ms
         return segment.all_reduce(tensor, op)
     _agree("all_reduce", tensor, ranks, op)
-    ordered = _nan_keeping(tensor, op)
-    work = tensor if ordered is None else ordered[0]
+    work, back = _reducible(tensor, op)
     with guarded("all_reduce", ranks):
         dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
-    if ordered is not None:
-        work = _from_nan_keeping(work, ordered[1])
-    if work is not tensor:
-        tensor.copy_(work)
+    if back is not None:
+        tensor.copy_(back(work))
     return tensor
 
 
@@ -219,8 +259,8 @@ def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
     """Start summing `tensor` in place over `ranks`; the caller waits on the result."""
     if op != "sum":
         raise ValueError("all_reduce_async sums (max/min keep NaN through all_reduce)")
-    if len(ranks) == 1:
-        return Pending(None, tensor, "all_reduce", ranks)
+    if len(ranks) == 1 or tensor.dtype in _GLOO_LACKS:  # (the latter reduced wider, at once)
+        return Pending(None, all_reduce(tensor, op, ranks), "all_reduce", ranks)
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
     _agree("all_reduce", tensor, ranks, op)
     with guarded("all_reduce", ranks):
@@ -244,15 +284,14 @@ def reduce_scatter(
         inverse = [ranks.index(r) for r in sorted(ranks)]
         input = _rows(input, n)[inverse]
     _agree("reduce_scatter", input, ranks, op)
-    ordered = _nan_keeping(input, op)
-    src = input if ordered is None else ordered[0]
-    dst = output if ordered is None else src.new_empty(output.shape)
+    src, back = _reducible(input, op)
+    dst = output.view(src.dtype) if back is None else src.new_empty(output.shape)
     with guarded("reduce_scatter", ranks):
         _reduce_scatter_single(
             dst.reshape(-1), src.reshape(-1), op=REDUCE_OPS[op], group=get_group(ranks)
         )
-    if ordered is not None:
-        output.copy_(_from_nan_keeping(dst, ordered[1]))
+    if back is not None:
+        output.copy_(back(dst))
     return output
 
 
@@ -284,7 +323,11 @@ def all_to_all(
         target = torch.empty_like(output)
     with guarded("all_to_all", ranks):
         dist.all_to_all_single(
-            target, input, list(output_splits), list(input_splits), group=get_group(ranks)
+            _moved(target),
+            _moved(input),
+            list(output_splits),
+            list(input_splits),
+            group=get_group(ranks),
         )
     if order is not None:
         chunks = target.split(list(output_splits))
@@ -301,7 +344,7 @@ def broadcast(tensor: torch.Tensor, src: int, ranks: Ranks) -> torch.Tensor:
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
     _agree("broadcast", tensor, ranks)
     with guarded("broadcast", ranks):
-        dist.broadcast(tensor, src=src, group=get_group(ranks))
+        dist.broadcast(_moved(tensor), src=src, group=get_group(ranks))
     return tensor
 
 
@@ -312,7 +355,7 @@ def broadcast_async(tensor: torch.Tensor, src: int, ranks: Ranks) -> Pending:
     stats.record("broadcast", cost.broadcast_bytes(len(ranks), _nbytes(tensor)))
     _agree("broadcast", tensor, ranks)
     with guarded("broadcast", ranks):
-        work = dist.broadcast(tensor, src=src, group=get_group(ranks), async_op=True)
+        work = dist.broadcast(_moved(tensor), src=src, group=get_group(ranks), async_op=True)
     return Pending(work, tensor, "broadcast", ranks)
 
 
