@@ -14,6 +14,7 @@ this same wrapper (so it is counted then, not while traced).
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from collections import Counter
@@ -310,7 +311,7 @@ def all_to_all(
     if functional.tracing(input):
         got = functional.all_to_all(input, output_splits, input_splits, ranks)
         return output.copy_(got.view(output.shape))
-    row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
+    row = math.prod(input.shape[1:]) * input.element_size() if input.dim() else 0
     stats.record("all_to_all", cost.all_to_all_bytes([s * row for s in input_splits], me))
     _agree("all_to_all", input, ranks, nbytes=row)
     order = group_order(ranks)
