@@ -56,7 +56,7 @@ def run_launcher(*args: str, cwd: Path, extra_env: dict | None = None, timeout: 
 
 # A launch that fails before any worker starts takes the launcher's start-up (a few
 # seconds, more on a loaded machine) plus the 1 s join timeout the tests give; without
-# the bound it took torchrun's 600 s rendezvous timeout.
+# the bound it took torchrun's 900 s rendezvous timeout.
 QUICK = 30
 
 

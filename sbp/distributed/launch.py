@@ -66,7 +66,7 @@ __all__ = [
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_LOGDIR = "logs"
-# Seconds the launchers of a job wait for each other (torchrun's own default is 600).
+# Seconds the launchers of a job wait for each other (torchrun's LaunchConfig default is 900).
 DEFAULT_JOIN_TIMEOUT = 300
 _PROG = "sbp.distributed.launch"
 _TORCHRUN_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
