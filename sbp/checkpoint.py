@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sbp import checkpoint_files, env, optim_step
+from sbp import checkpoint_files, env, optim_step, replicas
 from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import arrival
 from sbp.comm.collectives import guarded
@@ -127,6 +127,7 @@ def save(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike) -> None:
         _all_ranks_called("save", root)
         with torch.no_grad():
             sd = {k: _map_tensors(_state_dict_of(v), _reduced) for k, v in state.items()}
+        replicas.check(_named_tensors(sd), f"sbp.checkpoint.save({str(root)!r})")
         generation = _agree_on_generation(root)
         try:
             _run(dcp.save, sd, root / generation, "save")
@@ -245,6 +246,19 @@ def _reduced(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, GlobalTensor) and any(s.is_partial for s in t.sbp):
         return t.to_global(sbp=partials_to_broadcast(t.sbp))
     return t
+
+
+def _named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in nested dicts and lists, by its dotted path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = (
+        obj.items() if isinstance(obj, Mapping) else enumerate(obj) if isinstance(obj, list) else ()
+    )
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_named_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def _map_tensors(obj: Any, fn: Any) -> Any:
@@ -522,6 +536,7 @@ def full_state_dict(obj: Any, *, rank: int | None = None) -> Any:
     sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
     me = env.get_rank()
     world = list(range(env.get_world_size()))
+    replicas.check(_named_tensors(sd), "sbp.checkpoint.full_state_dict")
 
     def plain(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, GlobalTensor):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from sbp import comm, env
+from sbp.comm import shm
 
 BUCKET_BYTES = 25 * 2**20
 _GRAD = attrgetter("grad")
@@ -151,6 +152,15 @@ def _bucketable(spec, target) -> bool:
         a == b or (a.is_partial and a.op == "sum" and b.is_broadcast)
         for a, b in zip(spec.nd_sbp, target.nd_sbp, strict=True)
     )
+
+
+def _drop_pending(ranks: tuple[int, ...]) -> None:
+    """Ranks found out of step abort their backward: what it left pending is not flushed
+    by the next one (one rank would reduce a bucket more than the others)."""
+    _pending.clear()
+
+
+shm.on_out_of_step(_drop_pending)
 
 
 def flush() -> None:

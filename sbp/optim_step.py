@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from sbp import env, gradients
+from sbp import env, gradients, optim_agreement
 from sbp.errors import PlacementError
 from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
@@ -146,7 +146,8 @@ def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         _plain_state_made_global(optimizer)
         optimizer.__dict__[_STATE_SEEN] = optimizer.state
     if _GLOBAL_STEP in optimizer.__dict__:
-        return
+        return  # (its `_step` compared the settings before putting the locals in)
+    optim_agreement.check(optimizer)
     global_step = optimizer.step
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,6 +190,7 @@ def _zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> No
 
 def _step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     global_step = optimizer.__dict__[_GLOBAL_STEP]
+    optim_agreement.check(optimizer)
     if args or kwargs.get("closure") is not None or torch.compiler.is_compiling():
         return global_step(*args, **kwargs)
     swap = _Swap.make(optimizer)

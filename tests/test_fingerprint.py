@@ -150,3 +150,63 @@ def test_fingerprints_tell_kinds_ops_dtypes_and_sizes_apart():
     fp = fingerprint.of("reduce_scatter", torch.bfloat16, 4096, "max")
     assert fingerprint.describe(fp) == "reduce_scatter(max) of 4096 bytes of torch.bfloat16"
     assert 0 < fp < 2**63
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _diverged_state(divergence: str) -> tuple[str, str, float]:
+    """Two data-parallel steps where rank 1 alone is in eval mode, inside no_sync, or has
+    other data_parallel options: the error on every rank, and how long it took."""
+    torch.manual_seed(0)
+    P = sbp.placement.all("cpu")
+    model = _ConvNet().double().to_global(P, B)
+    one = sbp.env.get_rank() == 1
+    if divergence == "batch_norm='local'" and one:
+        sbp.nn.data_parallel(model, batch_norm="local")
+    if divergence == "fast=False" and one:
+        sbp.nn.data_parallel(model, fast=False)
+    if divergence == "eval" and one:
+        model.eval()
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64).to_global(P, S0)
+    y = torch.randint(0, 4, (8,)).to_global(P, S0)
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            with sbp.nn.no_sync(model) if divergence == "no_sync" and one else _nothing():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+            loss.item()
+            [p.grad.full_tensor() for p in model.parameters()]
+    except sbp.SbpError as e:
+        seconds = time.monotonic() - start
+        ranks = tuple(range(sbp.env.get_world_size()))
+        in_step = collectives.all_reduce(torch.ones(3), "sum", ranks)  # (the ranks go on)
+        assert torch.equal(in_step, torch.full((3,), 2.0))
+        return type(e).__name__, str(e), seconds
+    return "no error", "", time.monotonic() - start
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("divergence", ["eval", "no_sync", "batch_norm='local'", "fast=False"])
+def test_divergent_per_rank_state_raises_on_every_rank_at_once(divergence, pool2):
+    """(Before: CommTimeoutError after the full timeout, or gloo's abort.)"""
+    for name, message, seconds in pool2.run(_diverged_state, divergence):
+        assert name == "MetaMismatchError", message
+        assert "out of step" in message or "the ranks run different code" in message
+        assert seconds < 10

@@ -17,7 +17,7 @@ import hashlib
 import torch
 
 from sbp import env
-from sbp.comm import functional, stats
+from sbp.comm import functional, shm, stats
 from sbp.comm.meta import exchange
 
 MODE = "first"
@@ -65,6 +65,14 @@ def check_rebox(
             what=what,
         )
     seen.add(key)
+
+
+def _forget(ranks: tuple[int, ...]) -> None:
+    """The set was found out of step: its ranks may have seen different conversions."""
+    _seen.pop(ranks, None)
+
+
+shm.on_out_of_step(_forget)
 
 
 def _ranks(src, dst) -> tuple[int, ...]:

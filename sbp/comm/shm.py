@@ -64,6 +64,11 @@ class Segment:
         self.fingerprints = np.ndarray(  # (rank, slot parity), in the sequence number's line
             (n, 2), dtype=np.int64, buffer=mapping, offset=8, strides=(LINE, 8)
         )
+        # A rank's mark while it waits in the store's arrival (`waiting_in_arrival`), and
+        # the last call it took back on seeing a peer's mark.
+        self.away = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=24, strides=(LINE,))
+        self.undone = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=32, strides=(LINE,))
+        self._answered: dict[int, int] = {}  # peer index -> the mark this rank raised for
         with torch.inference_mode(False):
             self.slots = torch.frombuffer(
                 mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * SLOT_BYTES
@@ -94,9 +99,10 @@ class Segment:
         n = self.calls
         mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
         mine.copy_(tensor.view(-1))
+        self.away[self.me] = 0  # (back from an arrival that found the ranks out of step)
         self.fingerprints[self.me, n & 1] = fp
         self.seq[self.me] = n
-        self._wait(n)
+        self._wait(n, fp)
         if fingerprint.ENABLED:
             self._check(n & 1, fp)
         return rows, parts
@@ -105,9 +111,10 @@ class Segment:
         """Meet the other ranks with fingerprint `fp` alone (before a gloo collective)."""
         self.calls += 1
         n = self.calls
+        self.away[self.me] = 0
         self.fingerprints[self.me, n & 1] = fp
         self.seq[self.me] = n
-        self._wait(n)
+        self._wait(n, fp)
         self._check(n & 1, fp)
 
     def _check(self, parity: int, fp: int) -> None:
@@ -115,6 +122,7 @@ class Segment:
         for k in self.others:
             if fps[k, parity] != fp:
                 sides = [(f"rank {r}", int(fps[i, parity])) for i, r in enumerate(self.ranks)]
+                out_of_step(self.ranks)
                 raise MetaMismatchError(fingerprint.mismatch(sides, self.ranks, "shared memory"))
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -146,7 +154,7 @@ class Segment:
         seq = self.seq
         return all(seq[k] >= n for k in self.others)
 
-    def _wait(self, n: int) -> None:
+    def _wait(self, n: int, fp: int) -> None:
         for _ in range(self.spins):
             if self._arrived(n):
                 return
@@ -160,10 +168,37 @@ class Segment:
                 time.sleep(SLEEP_S)
             if now - last_check >= CHECK_EVERY_S:
                 last_check = now
-                self._check_peers(n, now - start, timeout)
+                self._check_peers(n, now - start, timeout, fp)
 
-    def _check_peers(self, n: int, waited: float, timeout: float) -> None:
+    def _in_arrival(self, index: int) -> bool:
+        """Does peer `index` wait in an arrival this rank never made (and did not answer)?
+        Its verdict is not written yet: once written (every rank came, or one gave up),
+        the peer is leaving it, and no rank still runs a collective from before it."""
+        mark = int(self.away[index])
+        if not mark or self._answered.get(index) == mark:
+            return False
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = arrival_key(self.ranks, (mark & _CALL_BITS) - 1) + "verdict"
+            return not store.check([key])
+        except Exception:  # noqa: BLE001 - no store (or gone): say nothing
+            return False
+
+    def _check_peers(self, n: int, waited: float, timeout: float, fp: int) -> None:
         late = [r for r, s in zip(self.ranks, self.seq.tolist(), strict=True) if s < n]
+        away = [r for r in late if self._in_arrival(self.ranks.index(r))]
+        if away and fingerprint.ENABLED:
+            for r in away:
+                self._answered[self.ranks.index(r)] = int(self.away[self.ranks.index(r)])
+            self.calls, self.seq[self.me] = n - 1, n - 1  # (taken back: nobody read call n)
+            self.undone[self.me] = n  # (which the waiting ranks read as the answer)
+            out_of_step(self.ranks)
+            raise MetaMismatchError(
+                f"ranks {away} wait for every rank to arrive (through the store) while rank "
+                f"{env.get_rank()} runs {fingerprint.describe(fp)} over ranks "
+                f"{list(self.ranks)}: the ranks run different code (per-rank settings "
+                "differ, or a call made on some ranks only)"
+            )
         dead = [r for r in late if not _alive(self.pids[self.ranks.index(r)])]
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
@@ -181,6 +216,62 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def arrival_key(ranks: tuple[int, ...], call: int) -> str:
+    """The store prefix of the `call`-th arrival of a rank set (see `arrival`)."""
+    return f"sbp/arrived/{','.join(map(str, sorted(ranks)))}/{call}/"
+
+
+_out_of_step_listeners: list = []
+
+
+def on_out_of_step(listener) -> None:
+    """Call `listener(sorted ranks)` where a rank set is found out of step: every rank of
+    the set then raises together, and what each kept of the set's past (conversions seen
+    and checked) may differ between them, so it is dropped alike."""
+    _out_of_step_listeners.append(listener)
+
+
+def out_of_step(ranks: tuple[int, ...]) -> None:
+    for listener in _out_of_step_listeners:
+        listener(tuple(sorted(ranks)))
+
+
+def _segment_of(ranks: tuple[int, ...]) -> Segment | None:
+    known = _segments.get(tuple(sorted(ranks)))
+    return None if known is None else known[1]
+
+
+_CALL_BITS = (1 << 32) - 1
+_withdrawn = [0]  # arrivals this process left out of step: part of its next marks
+
+
+def waiting_in_arrival(ranks: tuple[int, ...], call: int | None) -> dict[int, int]:
+    """Mark this rank as waiting in the store in arrival number `call` (None: back) in the
+    rank set's segment, if it has one; return the ranks that wait meanwhile inside a call
+    of the set that this rank has not made (they published a later call: out of step),
+    with the call each published."""
+    segment = _segment_of(ranks)
+    if segment is None:
+        return {}
+    segment.away[segment.me] = 0 if call is None else (call + 1) | (_withdrawn[0] << 32)
+    seq = segment.seq.tolist()
+    return {r: seq[i] for i, r in enumerate(segment.ranks) if seq[i] > segment.calls}
+
+
+def took_back(ranks: tuple[int, ...], ahead: dict[int, int]) -> bool:
+    """Did each rank of `ahead` take back the call it had published (on seeing the mark)?"""
+    segment = _segment_of(ranks)
+    if segment is None:
+        return True
+    return all(segment.undone[segment.ranks.index(r)] == n for r, n in ahead.items())
+
+
+def withdrawn(ranks: tuple[int, ...]) -> None:
+    """This rank left its arrival out of step: its mark goes, and its next one differs."""
+    _withdrawn[0] += 1
+    waiting_in_arrival(ranks, None)
 
 
 def enabled() -> bool:

@@ -59,6 +59,7 @@ from sbp.errors import (
     InputTypeError,
     InputValueError,
     LabelRangeError,
+    MetaMismatchError,
     PlacementError,
 )
 from sbp.layout import GlobalSpec
@@ -95,7 +96,8 @@ NEW_NUMBERS_WARNED = 4  # layouts differing only in a number's value, before a w
 FIRST_RUN_WINDOW_S = 10.0  # how long a rank whose first local run raised waits for the others
 # sbp's verdicts on the data, raised on every rank together (op by op would raise them too),
 # and a failed collective: raised as they are from a first local run
-RAISED_AS_THEY_ARE = (LabelRangeError, IndexRangeError, CommTimeoutError)
+# (a MetaMismatchError: ranks out of step, which running op by op cannot mend)
+RAISED_AS_THEY_ARE = (LabelRangeError, IndexRangeError, CommTimeoutError, MetaMismatchError)
 # output values besides tensors that the local run may return as they are
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 # argument values besides tensors that the forward can only read (a flag, a name, a function)
@@ -1205,7 +1207,7 @@ class DataParallel:
         batch size as a number (`h * h.shape[0]`: the logical size there, the local one
         here), or a fill of a fixed size equal to the batch's (`_Check.fill_made`). An
         error there sends every rank op by op, as a difference does, but a bad label or
-        index, or a failed collective (`RAISED_AS_THEY_ARE`) is raised as it is. Where the
+        index, a failed collective or ranks out of step (`RAISED_AS_THEY_ARE`) is raised as it is. Where the
         run holds collectives (BatchNorm over the batch, a loss), the others may be
         waiting inside one of them for a rank that raised, where the verdict's all-reduce
         must not meet them: the ranks first learn through the store that all of them left
