@@ -11,31 +11,15 @@ import datetime
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
 import torch
+from test_bad_input import HANG, TIMEOUT, _run_case  # (the same harness)
 
 import sbp
 import sbp.nn
 import sbp.utils.data
-
-TIMEOUT = 5.0  # seconds: what the multi-rank cases run under
-HANG = 120.0  # seconds: the pool's guard
-
-
-def _run_case(case, *args):
-    """On each rank: run `case` under a short timeout; (result or error type, message, s)."""
-    sbp.env.init(timeout=TIMEOUT)
-    start = time.monotonic()
-    try:
-        out = ("ok", case(sbp.env.get_rank(), sbp.env.get_world_size(), *args), "")
-    except sbp.SbpError as e:
-        out = (type(e).__name__, None, str(e))
-    finally:
-        sbp.env.init(timeout=60.0)  # the pool's own
-    return (*out, time.monotonic() - start)
 
 
 def _expect_error(pool, case, error, *args, match="", bad_rank=None):

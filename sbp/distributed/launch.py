@@ -198,26 +198,23 @@ def _nproc(value: str) -> str:
     return str(n)
 
 
-def _positive_int(value: str) -> int:
-    """argparse type for --nnodes."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+def _at_least_one(what: str):
+    """argparse type: an integer >= 1, named `what` in its error."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+        return n
+
+    return parse
 
 
-def _seconds(value: str) -> int:
-    """argparse type for --join_timeout: whole seconds, at least 1 (torchrun's unit)."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of seconds >= 1, got {value!r}")
-    return n
+_positive_int = _at_least_one("a positive integer")  # --nnodes
+_seconds = _at_least_one("a whole number of seconds >= 1")  # --join_timeout (torchrun's unit)
 
 
 def _port(value: str) -> int:
