@@ -153,9 +153,25 @@ def _save_on_rank_0_only(directory: str) -> tuple[str, float] | None:
     return str(info.value), time.monotonic() - start
 
 
+def _load_killed_on_rank_1(directory: str) -> None:
+    """Rank 1 dies while DCP reads; rank 0 writes its error and time to `<directory>.rank0`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if sbp.env.get_rank() == 1:
+        FileSystemReader.read_data = lambda self, plan, planner: os._exit(9)
+    start = time.monotonic()
+    try:
+        _loaded(directory)
+        result = "no error"
+    except CheckpointError as e:
+        result = str(e)
+    Path(f"{directory}.rank0").write_text(f"{time.monotonic() - start}\n{result}")
+
+
 def test_a_rank_lost_or_absent_during_a_save(tmp_path):
     """A rank dies while writing (the survivor raises within seconds, the old state loads)
-    or right after rank 0 committed (the survivor raises, the new state loads); a save
+    or right after rank 0 committed (the survivor raises, the new state loads), or while
+    a load reads (the survivor raises within seconds); a save
     called on rank 0 only (`if rank == 0: save(...)`; before: rank 0 waited out the
     timeout in DCP's first collective) fails fast. A pool of its own: the kills restart
     it, and the absent rank leaves the ranks' arrival counts apart, so that case is last."""
@@ -169,6 +185,12 @@ def test_a_rank_lost_or_absent_during_a_save(tmp_path):
             assert float(seconds) < 10, point
             assert "sbp.checkpoint.save" in message and "ranks [" in message, message
             assert _loaded(directory) == version, point
+        directory = str(tmp_path / "kill-in-read")
+        pool.run(sbp.checkpoint.save, _state(1), directory)
+        with pytest.raises(SpmdError, match="rank 1 died"):
+            pool.run(_load_killed_on_rank_1, directory, timeout=90)
+        seconds, message = Path(f"{directory}.rank0").read_text().split("\n", 1)
+        assert float(seconds) < 10 and "sbp.checkpoint.load" in message, message
         result, none = pool.run(_save_on_rank_0_only, str(tmp_path / "c"))
     finally:
         pool.close()
