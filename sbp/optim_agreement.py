@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sbp import env
+from sbp.comm import stats
 from sbp.comm.meta import exchange
 from sbp.tensor import GlobalTensor
 
@@ -28,7 +29,8 @@ def check(optimizer: torch.optim.Optimizer) -> None:
     ranks = _ranks(optimizer)
     if len(ranks) > 1 and env.get_rank() in ranks:
         what = f"the settings of {type(optimizer).__name__}"
-        exchange(settings(optimizer), ranks, what=what)
+        with stats.paused():  # (a check, not a collective of the step)
+            exchange(settings(optimizer), ranks, what=what)
 
 
 def _ranks(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
