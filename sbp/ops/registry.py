@@ -27,6 +27,7 @@ from sbp.boxing import plan_specs
 from sbp.comm import functional, stats
 from sbp.errors import IndexRangeError, PlacementError
 from sbp.layout import GlobalSpec
+from sbp.ops import converted
 from sbp.ops.writes import assign, fresh, is_inplace, is_view, mark_view, written
 from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
 
@@ -443,6 +444,13 @@ def _writes_first(func) -> bool:
     return any(i == 0 for i, _ in written_args(func))
 
 
+def _writes_any(func) -> bool:
+    """Does `func` write any argument?"""
+    from sbp.tensor import written_args
+
+    return bool(written_args(func))
+
+
 def _written_local_message(func, a: torch.Tensor) -> str:
     """The local tensor is the one written, global values written into it: most often a
     plain model loading a global model's state dict, whose own parameter it is."""
@@ -745,6 +753,9 @@ def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision
 
 
 def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
+    """Run `func` by its strategy rule: decide (cached), box the inputs that must move (a
+    conversion kept from an earlier use of the same value is taken instead:
+    `sbp.ops.converted`), run on the locals, wrap the outputs."""
     GlobalTensor, box = _tensor_helpers()
 
     d = _cache.get(key)
@@ -763,9 +774,15 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
     inside = d.inside
     copied = False
     local_flat = list(flat)
+    reuse = None  # (decided at the first input that moves)
     for i, req in zip(gpos, d.in_specs, strict=True):
         g = flat[i]
-        local_flat[i] = box(g._local, g._spec, req) if g._spec != req else g._local
+        if g._spec == req:
+            local_flat[i] = g._local
+            continue
+        if reuse is None:  # kept conversions (sbp.ops.converted), not where one is written
+            reuse = not (observers or d.view or inplace or _writes_any(func))
+        local_flat[i] = converted.convert(g, req, box) if reuse else box(g._local, g._spec, req)
     if d.write_back:  # the op writes a copy (boxing may hand back a view of the input)
         local_flat[gpos[0]] = local_flat[gpos[0]].clone()
     elif inplace:
