@@ -712,12 +712,14 @@ def forget_range(g: GlobalTensor) -> None:
 
 def global_writes(local: torch.Tensor) -> int:
     """Writes through global tensors into `local`'s storage so far (counted for integer
-    tensors, and for every tensor once a copied view was made: `COPIED_VIEWS`)."""
+    tensors, and for every tensor once a copied view was made or a conversion kept:
+    `COPIED_VIEWS`)."""
     return _global_writes.get(_storage_key(local), 0)
 
 
 # writes through global tensors per storage of integer local tensors (the ones with ranges),
-# and of every local tensor once sbp made a copied view (sbp.ops.writes.CopyOf)
+# and of every local tensor once sbp made a copied view (sbp.ops.writes.CopyOf) or kept a
+# conversion for reuse (sbp.ops.converted)
 _global_writes: dict[int, int] = {}
 COPIED_VIEWS = [False]
 
