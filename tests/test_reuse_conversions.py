@@ -328,3 +328,33 @@ def test_what_is_kept_is_freed_with_its_source_and_the_switch_turns_it_off(pool2
     for out, kept, left in pool2.run(_kept_when, "off"):
         torch.testing.assert_close(out, x @ w, **TOL)
         assert (kept, left) == (0, 0)
+
+
+def _compiled():
+    Pl = sbp.placement("cpu", [0, 1])
+    x, w, h = _data(X_SHAPE, (4, 40), (6, 40))
+    converted.clear()
+    p, gw, gh = _partial(x, Pl), sbp.tensor(w, Pl, S1), sbp.tensor(h, Pl, S1)
+    f = torch.compile(lambda p, w, h: (p @ w, p.t() @ h), backend="aot_eager", fullgraph=True)
+    keep, traced = converted._keep, []
+
+    def spy(g, kept):  # (every keep: was it of a traced tensor?)
+        traced.append(sbp.comm.functional.tracing(kept.out))
+        keep(g, kept)
+
+    converted._keep = spy
+    try:
+        outs = [o.full_tensor() for run in range(2) for o in f(p, gw, gh)]
+    finally:
+        converted._keep = keep
+    return outs, traced
+
+
+def test_nothing_is_kept_while_compiled_code_is_traced(pool2):
+    """Traced, the conversions are graph nodes on fake tensors: none is kept (a fake result
+    kept would outlive the trace, or be taken by a later eager use)."""
+    x, w, h = _data(X_SHAPE, (4, 40), (6, 40))
+    for outs, traced in pool2.run(_compiled):
+        assert True not in traced, traced
+        for got, ref in zip(outs, [x @ w, x.t() @ h] * 2, strict=True):
+            torch.testing.assert_close(got, ref, **TOL)
