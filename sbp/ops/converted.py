@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,9 +189,10 @@ def _view_base(g):
     return base if _same_storage(base._local, g._local) else None
 
 
-def convert(g, dst: GlobalSpec, box) -> torch.Tensor:
-    """`g`'s local tensor converted to `dst` by `box(local, src, dst)`: a kept result where
-    one holds, else converted now and kept where worth it."""
+def convert(g: Any, dst: GlobalSpec, box: Callable) -> torch.Tensor:
+    """The local tensor of `g` (a GlobalTensor) converted to `dst` by `box(local, src,
+    dst)`: a kept result where one holds, else converted now and kept where worth it. (A
+    fake or functional local, as tracing makes, is converted and not kept.)"""
     src, local = g._spec, g._local
     if (
         not _ENABLED[0]
