@@ -1,10 +1,10 @@
 """`sbp`: OneFlow-style global tensors (placement + SBP signature) for PyTorch."""
 
 from sbp import boxing, checkpoint, env, nn, utils  # checkpoint: registers torch.load's safe global
-from sbp.comm.stats import comm_stats
 from sbp.errors import (
     CommTimeoutError,
     DeviceMismatchError,
+    ImplicitCommunicationError,
     IndexRangeError,
     InputTypeError,
     InputValueError,
@@ -20,6 +20,7 @@ from sbp.local_constants import global_mode, implicit_replication
 from sbp.placement import placement
 from sbp.signature import broadcast, partial_max, partial_min, partial_sum, split
 from sbp.tensor import GlobalTensor, to_global
+from sbp.trace import comm_stats, strict
 
 __version__ = "0.1.0"
 
@@ -84,6 +85,8 @@ __all__ = [
     "broadcast",
     "checkpoint",
     "comm_stats",
+    "strict",
+    "ImplicitCommunicationError",
     "env",
     "local_shape",
     "local_slices",

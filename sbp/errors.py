@@ -41,3 +41,8 @@ class LabelRangeError(SbpError, IndexError):
 class IndexRangeError(SbpError, IndexError):
     """An index tensor (`F.embedding`'s ids, `gather`'s index) holding an index outside the
     range its op accepts, or a mask of another shape than the dims it indexes."""
+
+
+class ImplicitCommunicationError(SbpError, RuntimeError):
+    """Under `sbp.strict()`: an op needed its input converted with a collective that the
+    program did not ask for (no `to_global` of its own); names the op and the conversion."""

@@ -9,6 +9,7 @@ with the transposed conversion.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -21,9 +22,9 @@ from typing import Any
 import torch
 from torch._guards import TracingContext
 
-from sbp import boxing, comm, env, gradients
+from sbp import boxing, comm, env, gradients, trace
 from sbp.boxing.executor import empty_local, local_device
-from sbp.comm import agreement
+from sbp.comm import agreement, stats
 from sbp.errors import (
     DeviceMismatchError,
     InputTypeError,
@@ -544,9 +545,18 @@ def _grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
     return partials_to_broadcast(src.nd_sbp)
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 def box(local: torch.Tensor, src: GlobalSpec, dst: GlobalSpec) -> torch.Tensor:
     """Run the cached plan from `src` to `dst` on this rank's local tensor."""
-    return boxing.execute(boxing.plan_specs(src, dst), local)
+    plan = boxing.plan_specs(src, dst)
+    if not stats.watching():
+        return boxing.execute(plan, local)
+    source, target = format_nd_sbp(src.nd_sbp), format_nd_sbp(dst.nd_sbp)
+    trace.check_conversion(source, target, plan.collectives)
+    with stats.converting(f"{source} -> {target}"):
+        return boxing.execute(plan, local)
 
 
 def _as_global_grad(grad: torch.Tensor, spec: GlobalSpec) -> GlobalTensor:
@@ -559,7 +569,8 @@ class _Box(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: GlobalTensor, dst: GlobalSpec, grad_nd: NdSbp):
         ctx.src, ctx.dst, ctx.grad_nd = g._spec, dst, grad_nd
-        return GlobalTensor(box(read_now(g)._local, g._spec, dst), dst)
+        with stats.cause("to_global", implicit=False) if stats.watching() else _NOTHING:
+            return GlobalTensor(box(read_now(g)._local, g._spec, dst), dst)
 
     @staticmethod
     def backward(ctx, grad):
@@ -567,7 +578,8 @@ class _Box(torch.autograd.Function):
         target = ctx.src._replace(nd_sbp=ctx.grad_nd)
         if torch.is_grad_enabled():  # create_graph: the re-box differentiable in turn
             return rebox_differentiably(grad, target), None, None
-        return GlobalTensor(box(grad._local, grad._spec, target), target), None, None
+        with stats.cause("to_global", implicit=False) if stats.watching() else _NOTHING:
+            return GlobalTensor(box(grad._local, grad._spec, target), target), None, None
 
 
 def rebox_differentiably(g: GlobalTensor, target: GlobalSpec) -> GlobalTensor:

@@ -755,7 +755,15 @@ def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision
 def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
     """Run `func` by its strategy rule: decide (cached), box the inputs that must move (a
     conversion kept from an earlier use of the same value is taken instead:
-    `sbp.ops.converted`), run on the locals, wrap the outputs."""
+    `sbp.ops.converted`), run on the locals, wrap the outputs. While a trace or strict mode
+    watches (`sbp.trace`), the collectives inside are noted as `func`'s."""
+    if stats.watching():
+        with stats.cause(str(func), implicit=True):
+            return _run_strategy(rule, func, flat, tree, key, gpos)
+    return _run_strategy(rule, func, flat, tree, key, gpos)
+
+
+def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
     GlobalTensor, box = _tensor_helpers()
 
     d = _cache.get(key)
