@@ -213,8 +213,10 @@ class GlobalTensor(torch.Tensor):
         dst = boxing.target_spec(self._spec, placement, sbp)
         dst.placement.check_in_world(env.get_world_size())
         grad = _grad_nd_sbp(self._spec, grad_sbp)
-        if dst == self._spec and (grad_sbp is None or grad == self._spec.nd_sbp):
+        if dst == self._spec and (grad_sbp is None or not self.requires_grad):
             return self  # a no-op costs nothing, a partial tensor's included
+        # (with grad_sbp given, even one equal to its sbp: the gradient is converted to it
+        # here in backward, whatever layout its consumers send back: Megatron's "f")
         agreement.check_rebox(self._spec, dst, self.requires_grad, self._local)  # once per pair
         return _Box.apply(self, dst, grad)
 

@@ -1,8 +1,19 @@
 """`sbp.nn`: modules on global tensors: the data-parallel fast path of `module.to_global`
-(`fast_path`) and torch DDP with sbp's environment (`parallel`)."""
+(`fast_path`), torch DDP with sbp's environment (`parallel`) and tensor-parallel layouts
+at module boundaries (`parallelize`)."""
 
 from sbp.nn import fast_path, parallel
 from sbp.nn.fast_path import data_parallel, no_sync
 from sbp.nn.module import module_to_global
+from sbp.nn.parallelize import ColwiseParallel, RowwiseParallel, parallelize
 
-__all__ = ["data_parallel", "fast_path", "module_to_global", "no_sync", "parallel"]
+__all__ = [
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "data_parallel",
+    "fast_path",
+    "module_to_global",
+    "no_sync",
+    "parallel",
+    "parallelize",
+]

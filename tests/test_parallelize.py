@@ -1,0 +1,98 @@
+"""Tensor parallelism stated at module boundaries (`sbp.nn.parallelize`): a Megatron MLP
+stack trains as one process does and communicates what Megatron does, under
+`sbp.strict()`: 1 all-reduce per block forward (its output, Megatron's g) and 1 per block
+backward but the first (its input's gradient, Megatron's f), nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbp
+from sbp.nn import ColwiseParallel, RowwiseParallel
+
+BLOCKS = 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32, dtype=torch.float64)
+        self.fc2 = torch.nn.Linear(32, 16, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[Block() for _ in range(BLOCKS)])
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(
+        8, 16, generator=g, dtype=torch.float64
+    )
+
+
+def _train(model, opt, x, y, steps: int) -> list[torch.Tensor]:
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _adamw(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _parallel_training(strict: bool) -> tuple[list, list, dict, dict]:
+    P = sbp.placement.all("cpu")
+    model = sbp.nn.parallelize(
+        _model(), {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}, P
+    )
+    x, y = (t.to_global(P, sbp.broadcast) for t in _data())
+    opt = _adamw(model)
+    _train(model, opt, x, y, steps=1)  # (the first step makes the optimizer's state)
+    with sbp.strict(model) if strict else sbp.comm_stats():
+        with sbp.comm_stats(trace=True) as st:
+            losses = _train(model, opt, x, y, steps=2)
+    phases = {"forward": 0, "backward": 0}
+    for e in st.events:
+        phases[e.phase] += 1
+    params = [p.full_tensor() for p in model.parameters()]
+    return [float(v.full_tensor()) for v in losses], params, dict(st.by_kind), phases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_mlp_communicates_as_megatron_and_trains_as_one_process(world, pool2, pool4):
+    plain = _model()
+    x, y = _data()
+    want = [float(v) for v in _train(plain, _adamw(plain), x, y, steps=3)][1:]
+    pool = pool2 if world == 2 else pool4
+    for losses, params, kinds, phases in pool.run(_parallel_training, True):
+        assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
+        for got, ref in zip(params, plain.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+        assert kinds == {"all_reduce": 2 * (2 * BLOCKS - 1)}  # two steps
+        assert phases == {"forward": 2 * BLOCKS, "backward": 2 * (BLOCKS - 1)}
+
+
+def test_plan_arguments_are_named():
+    P = sbp.placement("cpu", [0])
+    with pytest.raises(sbp.InputValueError, match="no module matches"):
+        sbp.nn.parallelize(_model(), {"*.fc9": ColwiseParallel()}, P)
+    with pytest.raises(sbp.InputTypeError, match="ColwiseParallel\\(\\) or RowwiseParallel"):
+        sbp.nn.parallelize(_model(), {"*.fc1": "colwise"}, P)
+    with pytest.raises(sbp.InputTypeError, match="lay out Linear and Embedding"):
+        sbp.nn.parallelize(_model(), {"0": ColwiseParallel()}, P)
+    with pytest.raises(sbp.InputTypeError, match="placement"):
+        sbp.nn.parallelize(_model(), {"*.fc1": ColwiseParallel()}, [0, 1])
+    with pytest.raises(sbp.InputTypeError, match="output must be"):
+        RowwiseParallel(output=sbp.partial_sum)
