@@ -83,7 +83,7 @@ from common import (  # noqa: E402
 
 COLWISE = ("fc1", "qkv")  # weight and bias split(0) on the tp dim
 ROWWISE = ("fc2", "proj")  # weight split(1), bias broadcast
-METHODS = ("sbp", "dtensor", "megatron")
+METHODS = ("sbp", "sbp plan", "dtensor", "megatron")
 KIND_SHORT = {
     "all_reduce": "AR",
     "all_gather": "AG",
@@ -449,7 +449,7 @@ def _phase(calls: Counter, nbytes: int) -> dict:
 def _count(method: str, r: Runner) -> dict:
     """Collectives and bytes of one step, per phase (fwd, bwd, opt)."""
     out = {}
-    if method == "sbp":
+    if method.startswith("sbp"):
         import sbp
 
         with sbp.comm_stats() as st:
@@ -598,9 +598,28 @@ def _agree(ok: bool) -> bool:
     return bool(flag)
 
 
+def _sbp_plan_runner(base, x_log, y_log, world: int) -> Runner:
+    """The same layouts stated at module boundaries: sbp.nn.parallelize (1-D only)."""
+    import sbp
+    from sbp.nn import ColwiseParallel, RowwiseParallel
+
+    if world != 2:
+        raise ValueError("sbp.nn.parallelize takes 1-D placements (2-D: not yet)")
+    P = sbp.placement("cpu", [0, 1])
+    kinds = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
+    plan = {f"*{k}": ColwiseParallel() for k in COLWISE if k in kinds}
+    plan.update({f"*{k}": RowwiseParallel() for k in ROWWISE if k in kinds})
+    model = sbp.nn.parallelize(copy.deepcopy(base), plan, P)
+    x = sbp.tensor(x_log, placement=P, sbp=sbp.broadcast)
+    y = sbp.tensor(y_log, placement=P, sbp=sbp.broadcast)
+    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()))
+
+
 def _make(method, base, x, y, world, groups):
     if method == "sbp":
         return _sbp_runner(base, x, y, world)
+    if method == "sbp plan":
+        return _sbp_plan_runner(base, x, y, world)
     if method == "dtensor":
         return _dtensor_runner(base, x, y, world, groups)
     return _megatron_runner(base, x, y, world, groups)

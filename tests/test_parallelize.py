@@ -96,3 +96,81 @@ def test_plan_arguments_are_named():
         sbp.nn.parallelize(_model(), {"*.fc1": ColwiseParallel()}, [0, 1])
     with pytest.raises(sbp.InputTypeError, match="output must be"):
         RowwiseParallel(output=sbp.partial_sum)
+
+
+class Attention(torch.nn.Module):
+    """Causal self-attention; qkv rows ordered (heads, {q, k, v}, head dim), so a split of
+    qkv's output features gives each rank whole heads."""
+
+    def __init__(self, hidden: int = 16, heads: int = 4):
+        super().__init__()
+        self.hd = hidden // heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, dtype=torch.float64)
+        self.proj = torch.nn.Linear(hidden, hidden, dtype=torch.float64)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, -1, 3, self.hd)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class GPTBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(16, dtype=torch.float64)
+        self.attn = Attention()
+        self.ln2 = torch.nn.LayerNorm(16, dtype=torch.float64)
+        self.mlp = Block()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+GPT_PLAN = {
+    "*.qkv": ColwiseParallel(),
+    "*.proj": RowwiseParallel(),
+    "*.fc1": ColwiseParallel(),
+    "*.fc2": RowwiseParallel(),
+}
+
+
+def _gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(GPTBlock(), GPTBlock())
+
+
+def _gpt_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return tuple(torch.randn(2, 6, 16, generator=g, dtype=torch.float64) for _ in range(2))
+
+
+def _gpt_parallel_training() -> tuple[list, list, dict]:
+    P = sbp.placement.all("cpu")
+    model = sbp.nn.parallelize(_gpt(), GPT_PLAN, P)
+    x, y = (t.to_global(P, sbp.broadcast) for t in _gpt_data())
+    opt = _adamw(model)
+    _train(model, opt, x, y, steps=1)
+    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
+        losses = _train(model, opt, x, y, steps=1)
+    phases = {"forward": 0, "backward": 0}
+    for e in st.events:
+        phases[e.phase] += 1
+    params = [p.full_tensor() for p in model.parameters()]
+    return [float(v.full_tensor()) for v in losses], params, phases
+
+
+def test_gpt_blocks_communicate_as_megatron_and_train_as_one_process(pool2):
+    """Two pre-LayerNorm blocks (attention with whole heads per rank, MLP): 2 all-reduces
+    per block forward and 2 backward, LayerNorm's parameters broadcast; before
+    `parallelize`, the same weight layouts ran 25 collectives per step (benchmarks/)."""
+    plain = _gpt()
+    x, y = _gpt_data()
+    want = [float(v) for v in _train(plain, _adamw(plain), x, y, steps=2)][1:]
+    for losses, params, phases in pool2.run(_gpt_parallel_training):
+        assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
+        for got, ref in zip(params, plain.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+        assert phases == {"forward": 4, "backward": 4}

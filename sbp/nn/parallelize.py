@@ -17,7 +17,8 @@ The conversions are written as `to_global` at the module boundaries, so a plan's
 communicates what Megatron does (2 all-reduces per MLP block forward, 2 backward) and
 runs under `sbp.strict()`. Parameters are converted from what each rank holds: a plain
 module's whole tensors (equal on every rank, as `module.to_global(P, sbp.broadcast)`
-takes them) or a global module's parameters; make the optimizer afterwards.
+takes them) or a global module's parameters; the parameters and buffers the plan does
+not name become broadcast. Make the optimizer afterwards.
 """
 
 from __future__ import annotations
@@ -112,7 +113,22 @@ def parallelize(
             raise InputValueError(f"parallelize: plan names {pattern!r}, which no module matches")
         for name in matches:
             _lay_out(named[name], style, placement, name)
+    _the_rest_broadcast(module, placement)
     return module
+
+
+def _the_rest_broadcast(module: torch.nn.Module, P: Placement) -> None:
+    """Plain parameters and buffers the plan did not lay out (LayerNorm's, an embedding's
+    outside the plan) become broadcast on `P`, as `module.to_global(P, sbp.broadcast)`
+    takes them: every rank's whole tensor."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and not isinstance(p, GlobalTensor):
+                g = p.detach().to_global(P, broadcast)
+                m._parameters[name] = torch.nn.Parameter(g, requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and not isinstance(b, GlobalTensor):
+                m._buffers[name] = b.to_global(P, broadcast)
 
 
 def _lay_out(m: torch.nn.Module, style: Style, P: Placement, name: str) -> None:
