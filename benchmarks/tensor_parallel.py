@@ -599,19 +599,21 @@ def _agree(ok: bool) -> bool:
 
 
 def _sbp_plan_runner(base, x_log, y_log, world: int) -> Runner:
-    """The same layouts stated at module boundaries: sbp.nn.parallelize (1-D only)."""
+    """The same layouts stated at module boundaries: sbp.nn.parallelize (on 2-D along
+    hierarchy dim 1, the batch split along dim 0)."""
     import sbp
     from sbp.nn import ColwiseParallel, RowwiseParallel
 
-    if world != 2:
-        raise ValueError("sbp.nn.parallelize takes 1-D placements (2-D: not yet)")
-    P = sbp.placement("cpu", [0, 1])
+    if world == 2:
+        P, batch = sbp.placement("cpu", [0, 1]), (sbp.broadcast,)
+    else:
+        P, batch = sbp.placement("cpu", [[0, 1], [2, 3]]), (sbp.split(0), sbp.broadcast)
     kinds = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
     plan = {f"*{k}": ColwiseParallel() for k in COLWISE if k in kinds}
     plan.update({f"*{k}": RowwiseParallel() for k in ROWWISE if k in kinds})
     model = sbp.nn.parallelize(copy.deepcopy(base), plan, P)
-    x = sbp.tensor(x_log, placement=P, sbp=sbp.broadcast)
-    y = sbp.tensor(y_log, placement=P, sbp=sbp.broadcast)
+    x = sbp.tensor(x_log, placement=P, sbp=batch)
+    y = sbp.tensor(y_log, placement=P, sbp=batch)
     return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()))
 
 

@@ -174,3 +174,38 @@ def test_gpt_blocks_communicate_as_megatron_and_train_as_one_process(pool2):
         for got, ref in zip(params, plain.parameters(), strict=True):
             torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
         assert phases == {"forward": 4, "backward": 4}
+
+
+def _dp_tp_training() -> tuple[list, list, dict]:
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    plan = {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+    model = sbp.nn.parallelize(_model(), plan, P)  # tp along hierarchy dim 1
+    x, y = (t.to_global(P, (sbp.split(0), sbp.broadcast)) for t in _data())
+    opt = _adamw(model)
+    _train(model, opt, x, y, steps=1)
+    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
+        losses = _train(model, opt, x, y, steps=1)
+    causes: dict = {}
+    for e in st.events:
+        key = (e.phase, e.op)
+        causes[key] = causes.get(key, 0) + 1
+    params = [p.full_tensor() for p in model.parameters()]
+    return [float(v.full_tensor()) for v in losses], params, causes
+
+
+def test_dp_x_tp_on_a_2d_placement(pool4):
+    """Batch split along hierarchy dim 0, the plan along dim 1: the tensor-parallel
+    all-reduces of 1-D (4 forward, 3 backward) plus the data-parallel gradient reduction
+    in buckets, one per gradient layout (3: Megatron's floor is one bucket, same bytes)."""
+    plain = _model()
+    x, y = _data()
+    want = [float(v) for v in _train(plain, _adamw(plain), x, y, steps=2)][1:]
+    for losses, params, causes in pool4.run(_dp_tp_training):
+        assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
+        for got, ref in zip(params, plain.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+        assert causes == {
+            ("forward", "to_global"): BLOCKS,
+            ("backward", "to_global"): BLOCKS - 1,
+            ("backward", "gradient buckets"): 3,
+        }

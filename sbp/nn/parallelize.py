@@ -43,12 +43,13 @@ class ColwiseParallel:
             return {"weight": split(1)}
         return {"weight": split(0), "bias": split(0)}
 
-    def prepare_input(self, x: Any) -> Any:
+    def prepare_input(self, x: Any, tp_dim: int) -> Any:
         if isinstance(x, GlobalTensor) and x.requires_grad:
-            return x.to_global(sbp=broadcast, grad_sbp=broadcast)
+            nd = _on_dim(x.sbp, tp_dim, broadcast)
+            return x.to_global(sbp=nd, grad_sbp=nd)
         return x
 
-    def prepare_output(self, y: Any) -> Any:
+    def prepare_output(self, y: Any, tp_dim: int) -> Any:
         return y
 
     def __repr__(self) -> str:
@@ -74,12 +75,13 @@ class RowwiseParallel:
             )
         return {"weight": split(1), "bias": broadcast}
 
-    def prepare_input(self, x: Any) -> Any:
+    def prepare_input(self, x: Any, tp_dim: int) -> Any:
         return x
 
-    def prepare_output(self, y: Any) -> Any:
+    def prepare_output(self, y: Any, tp_dim: int) -> Any:
         if isinstance(y, GlobalTensor):
-            return y.to_global(sbp=self.output, grad_sbp=self.output)
+            nd = _on_dim(y.sbp, tp_dim, self.output)
+            return y.to_global(sbp=nd, grad_sbp=nd)
         return y
 
     def __repr__(self) -> str:
@@ -90,15 +92,22 @@ Style = ColwiseParallel | RowwiseParallel
 
 
 def parallelize(
-    module: torch.nn.Module, plan: dict[str, Style], placement: Placement
+    module: torch.nn.Module, plan: dict[str, Style], placement: Placement, tp_dim: int = -1
 ) -> torch.nn.Module:
-    """Lay out the modules `plan` names (see the module's docstring); return `module`."""
+    """Lay out the modules `plan` names (see the module's docstring); return `module`.
+
+    On an n-D placement the styles apply along hierarchy dim `tp_dim` (the last by
+    default) and the parameters are broadcast along the others: data parallel there
+    when the batch is split along them (DP x TP), their gradients reduced in buckets."""
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"parallelize: module must be a torch.nn.Module, got {module!r}")
-    if not isinstance(placement, Placement) or placement.ndim != 1:
-        raise InputTypeError(
-            f"parallelize: placement must be a 1-D sbp.placement, got {placement!r}"
+    if not isinstance(placement, Placement):
+        raise InputTypeError(f"parallelize: placement must be an sbp.placement, got {placement!r}")
+    if not isinstance(tp_dim, int) or not -placement.ndim <= tp_dim < placement.ndim:
+        raise InputValueError(
+            f"parallelize: tp_dim={tp_dim!r} is not a hierarchy dim of {placement}"
         )
+    tp_dim %= placement.ndim
     if not isinstance(plan, dict):
         raise InputTypeError(f"parallelize: plan must be a dict of names to styles, got {plan!r}")
     named = dict(module.named_modules())
@@ -112,7 +121,7 @@ def parallelize(
         if not matches:
             raise InputValueError(f"parallelize: plan names {pattern!r}, which no module matches")
         for name in matches:
-            _lay_out(named[name], style, placement, name)
+            _lay_out(named[name], style, placement, name, tp_dim)
     _the_rest_broadcast(module, placement)
     return module
 
@@ -124,27 +133,34 @@ def _the_rest_broadcast(module: torch.nn.Module, P: Placement) -> None:
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and not isinstance(p, GlobalTensor):
-                g = p.detach().to_global(P, broadcast)
+                g = p.detach().to_global(P, (broadcast,) * P.ndim)
                 m._parameters[name] = torch.nn.Parameter(g, requires_grad=p.requires_grad)
         for name, b in list(m._buffers.items()):
             if b is not None and not isinstance(b, GlobalTensor):
-                m._buffers[name] = b.to_global(P, broadcast)
+                m._buffers[name] = b.to_global(P, (broadcast,) * P.ndim)
 
 
-def _lay_out(m: torch.nn.Module, style: Style, P: Placement, name: str) -> None:
+def _on_dim(nd: tuple, dim: int, s: SBP) -> tuple:
+    return tuple(s if h == dim else x for h, x in enumerate(nd))
+
+
+def _lay_out(m: torch.nn.Module, style: Style, P: Placement, name: str, tp_dim: int) -> None:
     if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
         raise InputTypeError(
             f"parallelize: {name!r} is a {type(m).__name__}; ColwiseParallel and "
             "RowwiseParallel lay out Linear and Embedding modules"
         )
-    for pname, nd in style.weight_sbp(m).items():
+    for pname, s in style.weight_sbp(m).items():
         p = getattr(m, pname)
         if p is None:
             continue
+        nd = _on_dim((broadcast,) * P.ndim, tp_dim, s)
         if isinstance(p, GlobalTensor):
             g = p.detach().to_global(P, nd)
         else:
-            g = p.detach().to_global(P, broadcast).to_global(sbp=nd)  # (equal on every rank)
+            g = p.detach().to_global(P, (broadcast,) * P.ndim).to_global(sbp=nd)  # (whole)
         setattr(m, pname, torch.nn.Parameter(g, requires_grad=p.requires_grad))
-    m.register_forward_pre_hook(lambda _m, args: tuple(style.prepare_input(a) for a in args))
-    m.register_forward_hook(lambda _m, _args, out: style.prepare_output(out))
+    m.register_forward_pre_hook(
+        lambda _m, args: tuple(style.prepare_input(a, tp_dim) for a in args)
+    )
+    m.register_forward_hook(lambda _m, _args, out: style.prepare_output(out, tp_dim))
