@@ -137,6 +137,17 @@ GPT_PLAN = {
 }
 
 
+def _as_one_process(results: list, plain: torch.nn.Module, x, y) -> list:
+    """Check each rank's (losses of step 2, parameters after it, ...) against `plain`
+    trained 2 steps in one process; return each rank's remaining result."""
+    want = [float(v) for v in _train(plain, _adamw(plain), x, y, steps=2)][1:]
+    for losses, params, _ in results:
+        assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
+        for got, ref in zip(params, plain.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+    return [rest for _, _, rest in results]
+
+
 def _gpt() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(GPTBlock(), GPTBlock())
@@ -166,13 +177,7 @@ def test_gpt_blocks_communicate_as_megatron_and_train_as_one_process(pool2):
     """Two pre-LayerNorm blocks (attention with whole heads per rank, MLP): 2 all-reduces
     per block forward and 2 backward, LayerNorm's parameters broadcast; before
     `parallelize`, the same weight layouts ran 25 collectives per step (benchmarks/)."""
-    plain = _gpt()
-    x, y = _gpt_data()
-    want = [float(v) for v in _train(plain, _adamw(plain), x, y, steps=2)][1:]
-    for losses, params, phases in pool2.run(_gpt_parallel_training):
-        assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
-        for got, ref in zip(params, plain.parameters(), strict=True):
-            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+    for phases in _as_one_process(pool2.run(_gpt_parallel_training), _gpt(), *_gpt_data()):
         assert phases == {"forward": 4, "backward": 4}
 
 
@@ -197,13 +202,7 @@ def test_dp_x_tp_on_a_2d_placement(pool4):
     """Batch split along hierarchy dim 0, the plan along dim 1: the tensor-parallel
     all-reduces of 1-D (4 forward, 3 backward) plus the data-parallel gradient reduction
     in buckets, one per gradient layout (3: Megatron's floor is one bucket, same bytes)."""
-    plain = _model()
-    x, y = _data()
-    want = [float(v) for v in _train(plain, _adamw(plain), x, y, steps=2)][1:]
-    for losses, params, causes in pool4.run(_dp_tp_training):
-        assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
-        for got, ref in zip(params, plain.parameters(), strict=True):
-            torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+    for causes in _as_one_process(pool4.run(_dp_tp_training), _model(), *_data()):
         assert causes == {
             ("forward", "to_global"): BLOCKS,
             ("backward", "to_global"): BLOCKS - 1,
