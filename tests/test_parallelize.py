@@ -208,3 +208,42 @@ def test_dp_x_tp_on_a_2d_placement(pool4):
             ("backward", "to_global"): BLOCKS - 1,
             ("backward", "gradient buckets"): 3,
         }
+
+
+def _sequence_parallel_training() -> tuple[list, list, dict]:
+    """Megatron's sequence parallelism: the residual stream split along the sequence
+    (dim 1) around LayerNorm; gathered at each column-parallel input, reduce-scattered at
+    each row-parallel output."""
+    P = sbp.placement.all("cpu")
+    plan = {
+        **GPT_PLAN,
+        "*.proj": RowwiseParallel(sbp.split(1)),
+        "*.fc2": RowwiseParallel(sbp.split(1)),
+    }
+    model = sbp.nn.parallelize(_gpt(), plan, P)
+    x, y = (sbp.tensor(t, placement=P, sbp=sbp.split(1)) for t in _gpt_data())
+    opt = _adamw(model)
+    _train(model, opt, x, y, steps=1)
+    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
+        losses = _train(model, opt, x, y, steps=1)
+    kinds: dict = {}
+    for e in st.events:
+        key = (e.phase, e.op, e.kind)
+        kinds[key] = kinds.get(key, 0) + 1
+    params = [p.full_tensor() for p in model.parameters()]
+    return [float(v.full_tensor()) for v in losses], params, kinds
+
+
+def test_sequence_parallel_gpt_blocks(pool2):
+    """Per block: 2 all-gathers (qkv's and fc1's inputs) and 2 reduce-scatters (proj's and
+    fc2's outputs; an all-to-all on gloo) forward, the same backward, and one bucket for
+    the LayerNorms' gradients (partial over the sequence shards, as Megatron all-reduces
+    them); LayerNorm runs on the shards. Equal to one process."""
+    for kinds in _as_one_process(pool2.run(_sequence_parallel_training), _gpt(), *_gpt_data()):
+        assert kinds == {
+            ("forward", "to_global", "all_gather"): 4,
+            ("forward", "to_global", "all_to_all"): 4,
+            ("backward", "to_global", "all_gather"): 4,
+            ("backward", "to_global", "all_to_all"): 4,
+            ("backward", "gradient buckets", "all_reduce"): 1,
+        }

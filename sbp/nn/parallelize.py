@@ -44,10 +44,20 @@ class ColwiseParallel:
         return {"weight": split(0), "bias": split(0)}
 
     def prepare_input(self, x: Any, tp_dim: int) -> Any:
-        if isinstance(x, GlobalTensor) and x.requires_grad:
-            nd = _on_dim(x.sbp, tp_dim, broadcast)
-            return x.to_global(sbp=nd, grad_sbp=nd)
-        return x
+        """Broadcast along `tp_dim` (a sequence-split input is gathered); its gradient goes
+        back in the input's own layout there (reduced, or reduce-scattered)."""
+        if not isinstance(x, GlobalTensor):
+            return x
+        own = x.sbp[tp_dim]
+        if own.is_partial:
+            raise InputTypeError(
+                f"ColwiseParallel: an input partial along hierarchy dim {tp_dim}; reduce it "
+                "first (RowwiseParallel's output does)"
+            )
+        nd = _on_dim(x.sbp, tp_dim, broadcast)
+        if nd == x.sbp and not x.requires_grad:
+            return x
+        return x.to_global(sbp=nd, grad_sbp=x.sbp) if x.requires_grad else x.to_global(sbp=nd)
 
     def prepare_output(self, y: Any, tp_dim: int) -> Any:
         return y
@@ -79,9 +89,11 @@ class RowwiseParallel:
         return x
 
     def prepare_output(self, y: Any, tp_dim: int) -> Any:
+        """The partial sum reduced (or reduce-scattered) to `output` along `tp_dim`; its
+        gradient goes back whole there (gathered from a split output)."""
         if isinstance(y, GlobalTensor):
             nd = _on_dim(y.sbp, tp_dim, self.output)
-            return y.to_global(sbp=nd, grad_sbp=nd)
+            return y.to_global(sbp=nd, grad_sbp=_on_dim(y.sbp, tp_dim, broadcast))
         return y
 
     def __repr__(self) -> str:
