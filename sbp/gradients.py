@@ -175,18 +175,23 @@ def flush() -> None:
         (g, done) for g, done in ((r(), done) for r, done in _pending.values()) if g is not None
     ]
     _pending.clear()
+    # One bucket sequence per (placement, dims reduced, dtype, device): gradients of other
+    # layouts along the dims kept (a tensor-parallel split) share the data-parallel
+    # all-reduce, which sums each element with its replicas alone.
     groups: dict = {}
+    target: dict = {}
     for g, done in grads:
-        key = (g._spec.placement, g._spec.nd_sbp, done, g.dtype, g._local.device)
+        dims = tuple(h for h, (s, t) in enumerate(zip(g._spec.nd_sbp, done, strict=True)) if s != t)
+        key = (g._spec.placement, dims, g.dtype, g._local.device)
         groups.setdefault(key, []).append(g)
+        target[id(g)] = done
     me = env.get_rank()
-    for (placement, nd, done, _, _), members in groups.items():
-        dims = [h for h, (s, t) in enumerate(zip(nd, done, strict=True)) if s != t]
+    for (placement, dims, _, _), members in groups.items():
         for bucket in _buckets(members):
             if me in placement:
                 _all_reduce_bucket(bucket, [placement.group_ranks(me, h) for h in dims])
             for g in bucket:
-                g._spec = g._spec._replace(nd_sbp=done)
+                g._spec = g._spec._replace(nd_sbp=target[id(g)])
 
 
 def _buckets(members: list) -> list[list]:
