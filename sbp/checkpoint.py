@@ -29,6 +29,7 @@ from sbp import checkpoint_files, env, optim_step, replicas
 from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import arrival
 from sbp.comm.collectives import guarded
+from sbp.comm.meta import gather_objects
 from sbp.errors import (
     CommTimeoutError,
     MetaMismatchError,
@@ -208,7 +209,7 @@ def committed_folder(checkpoint_dir: str | os.PathLike) -> Path:
     root = _folder(checkpoint_dir, "committed_folder")
     try:
         committed = checkpoint_files.read_marker(root)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"sbp.checkpoint.committed_folder({str(root)!r}): {e}") from e
     return root if committed is None else committed.folder
 
@@ -344,13 +345,7 @@ def _guarded(what: str, root: Path) -> Iterator[None]:
 
 def _gather(obj: Any) -> list:
     """Every rank's `obj` (small, picklable), in rank order."""
-    if not env.is_distributed():
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * env.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return gather_objects(obj, tuple(range(env.get_world_size())))
 
 
 def _raise_problems(root: Path, what: str, problems: list) -> None:
@@ -432,7 +427,7 @@ def _commit(root: Path, generation: str, files: dict[str, tuple[int, int]]) -> N
 def _is_committed(root: Path, generation: str) -> bool:
     try:
         committed = checkpoint_files.read_marker(root)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return False
     return committed is not None and committed.folder.name == generation
 
@@ -441,29 +436,32 @@ def _open(root: Path) -> tuple[Path, set[str]]:
     """The folder of the committed generation (or `root`, for a checkpoint without a
     marker) and the names it holds, its files verified (each rank a share of them);
     every rank learns which ranks found a problem, and all raise alike."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     folder, keys, problem = root, set(), None
     try:
         committed = checkpoint_files.read_marker(root)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         committed, problem = None, ("reading its commit marker failed", f": {e}"[:400])
     if committed is not None:
         folder = committed.folder
         damaged = checkpoint_files.verify(committed, env.get_rank(), env.get_world_size())
         if damaged:
             problem = ("damaged files", ": " + "; ".join(damaged)[:800])
-    if problem is not None:
-        pass
-    elif not (folder.is_dir() and any(n.endswith(".metadata") for n in os.listdir(folder))):
-        problem = ("no checkpoint there (no commit marker, no .metadata file)", "")
-    else:
-        try:
-            keys = set(FileSystemReader(folder).read_metadata().state_dict_metadata)
-        except Exception as e:  # (a truncated or foreign .metadata file)
-            problem = ("reading its .metadata failed", f": {type(e).__name__}: {e}"[:400])
+    if problem is None:
+        problem, keys = _saved_names(folder)
     _raise_problems(root, "load", _gather(problem))
     return folder, keys
+
+
+def _saved_names(folder: Path) -> tuple[tuple[str, str] | None, set[str]]:
+    """(a problem, or None; the names DCP's metadata in `folder` holds)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (folder.is_dir() and any(n.endswith(".metadata") for n in os.listdir(folder))):
+        return ("no checkpoint there (no commit marker, no .metadata file)", ""), set()
+    try:
+        return None, set(FileSystemReader(folder).read_metadata().state_dict_metadata)
+    except Exception as e:  # (a truncated or foreign .metadata file)
+        return ("reading its .metadata failed", f": {type(e).__name__}: {e}"[:400]), set()
 
 
 def _run(fn: Any, sd: dict, checkpoint_dir: str | os.PathLike, what: str) -> None:

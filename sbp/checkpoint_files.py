@@ -39,19 +39,23 @@ class Committed:
 def read_marker(root: Path) -> Committed | None:
     """The generation the marker commits, None when there is no marker.
 
-    Raises `ValueError` (for the caller to report) when the marker cannot be read.
+    Raises `ValueError` (for the caller to report) when the marker cannot be parsed,
+    `OSError` when it cannot be read.
     """
     path = root / MARKER
     if not path.exists():
         return None
     with open(path) as f:
-        marker = json.load(f)
+        marker = json.load(f)  # (JSONDecodeError is a ValueError)
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
         raise ValueError(f"{path} is not an sbp checkpoint marker of format {FORMAT}")
-    name = marker["generation"]
-    if not _GENERATION.fullmatch(name):
+    try:
+        name = marker["generation"]
+        files = {str(k): (int(v[0]), int(v[1])) for k, v in marker["files"].items()}
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"{path} lacks or garbles {e}") from e
+    if not isinstance(name, str) or not _GENERATION.fullmatch(name):
         raise ValueError(f"{path} names {name!r}, not a generation folder")
-    files = {str(k): (int(v[0]), int(v[1])) for k, v in marker["files"].items()}
     return Committed(root / name, files)
 
 

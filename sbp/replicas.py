@@ -4,19 +4,21 @@ A broadcast tensor's replicas are equal by construction, unless something ran on
 ranks only (an in-place write to `to_local()`, a step with another setting): then
 `full_tensor()` returns a different "logical" value on each rank, silently. Before a
 checkpoint is written and before `full_state_dict` hands out plain tensors, each rank
-sums the bytes of the part it holds of every tensor with replicas (CRC-32) and the ranks
-holding the same part compare them: one small all-gather of names and sums; a drift
-is `MetaMismatchError` on every rank naming the tensors and the ranks that differ.
+hashes the bytes of the part it holds of every tensor with replicas (the re-box check's
+`agreement.data_hash`) and the ranks holding the same part compare them: one small
+all-gather of names and hashes; a drift is `MetaMismatchError` on every rank naming the
+tensors and the ranks that differ.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 
 import torch
 
 from sbp import env
+from sbp.comm.agreement import data_hash
+from sbp.comm.meta import gather_objects
 from sbp.errors import MetaMismatchError
 from sbp.signature import Broadcast
 from sbp.tensor import GlobalTensor
@@ -26,11 +28,8 @@ def check(tensors: Mapping[str, torch.Tensor], what: str) -> None:
     """Raise `MetaMismatchError` on every rank where replicas among `tensors` differ."""
     if not env.is_distributed():
         return
-    import torch.distributed as dist
-
     mine = {name: sums for name, t in tensors.items() if (sums := _sum_of_part(t)) is not None}
-    every = [None] * env.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = gather_objects(mine, tuple(range(env.get_world_size())))
     drifted = []
     for name in sorted(mine):
         parts: dict[tuple, dict[int, int]] = {}
@@ -55,13 +54,10 @@ def check(tensors: Mapping[str, torch.Tensor], what: str) -> None:
 
 
 def _sum_of_part(t: torch.Tensor) -> tuple[tuple, int] | None:
-    """(the ranges of this rank's part, its bytes' CRC-32) for a tensor with replicas
-    (a broadcast dim, no partial one) that this rank holds; else None."""
+    """(the ranges of this rank's part, its bytes' hash) for a tensor with replicas (a
+    broadcast dim, no partial one) that this rank holds; else None."""
     if not isinstance(t, GlobalTensor) or env.get_rank() not in t.placement:
         return None
     if not any(isinstance(s, Broadcast) for s in t.sbp) or any(s.is_partial for s in t.sbp):
         return None
-    local = t._local.detach()
-    data = local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    ranges = tuple(t._spec.ranges(env.get_rank()))
-    return ranges, zlib.crc32(data)
+    return tuple(t._spec.ranges(env.get_rank())), data_hash(t._local)

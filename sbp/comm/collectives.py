@@ -47,8 +47,8 @@ def guarded(kind: str, ranks: Ranks) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # DistBackendError is a RuntimeError
-        if not _FAILED.search(str(e)):
-            raise
+        if isinstance(e, CommTimeoutError) or not _FAILED.search(str(e)):
+            raise  # (a nested guard named the failure already)
         missing = _ranks_not_reporting(ranks)
         absent = (
             f"; ranks {missing} did not arrive (stuck elsewhere or exited)"

@@ -27,7 +27,11 @@ def stable_hash(obj: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=7).digest(), "little")
 
 
-def _gather_objects(obj: object, ranks: tuple[int, ...]) -> list[object]:
+def gather_objects(obj: object, ranks: tuple[int, ...]) -> list[object]:
+    """Every rank's `obj` (small, picklable) in the order of `ranks`; a lost peer is
+    `CommTimeoutError`. Not fingerprinted (see `fingerprint`)."""
+    if len(ranks) == 1:
+        return [obj]
     out: list[object] = [None] * len(ranks)
     with collectives.guarded("all_gather_object", ranks):
         dist.all_gather_object(out, obj, group=get_group(ranks))
@@ -77,14 +81,14 @@ def exchange(
     collectives.all_gather(table, row, ranks)
     rows = table.tolist()  # (one conversion: reading the table element by element is slow)
     if any(r[2] for r in rows):
-        errors = _gather_objects(None if error is None else (type(error), str(error)), ranks)
+        errors = gather_objects(None if error is None else (type(error), str(error)), ranks)
         if error is not None:
             raise error
         rank, (cls, message) = next((r, e) for r, e in zip(ranks, errors, strict=True) if e)
         raise cls(f"on rank {rank}: {message}")
     if any(r[0] != rows[0][0] for r in rows):
-        descriptions = _gather_objects(dict(description), ranks)
+        descriptions = gather_objects(dict(description), ranks)
         raise MetaMismatchError(describe_mismatch(descriptions, ranks, what))
     if any(r[1] < 0 for r in rows):
-        return [tuple(x) for x in _gather_objects(tuple(ints), ranks)]
+        return [tuple(x) for x in gather_objects(tuple(ints), ranks)]
     return [tuple(r[3 : 3 + r[1]]) for r in rows]
