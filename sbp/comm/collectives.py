@@ -187,7 +187,12 @@ def _same(work: torch.Tensor) -> torch.Tensor:
 
 def _shared_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment | None:
     """The shared-memory path of a small collective on one host (see `shm`), or None."""
-    if not shm.usable(tensor):
+    return _segment(ranks, kind) if shm.usable(tensor) else None
+
+
+def _segment(ranks: Ranks, kind: str) -> shm.Segment | None:
+    """The rank set's shared segment, None where it has none (another host, SBP_SHM=0)."""
+    if not shm.enabled():
         return None
     group = get_group(ranks)
     if shm.ready(ranks, group):
@@ -204,18 +209,13 @@ def _agree(
     if not fingerprint.ENABLED or tensor.device.type != "cpu":
         return
     fp = fingerprint.of(kind, tensor.dtype, _nbytes(tensor) if nbytes < 0 else nbytes, op)
-    group = get_group(ranks)
-    if shm.enabled():
-        if not shm.ready(ranks, group):
-            with guarded(kind, ranks):  # (a collective sets the segment up at the first call)
-                shm.segment(ranks, group)
-        segment = shm.segment(ranks, group)
-        if segment is not None:
-            segment.agree(fp)
-            return
+    segment = _segment(ranks, kind)
+    if segment is not None:
+        segment.agree(fp)
+        return
     both = torch.tensor([fp, -fp], dtype=torch.int64)
     with guarded(kind, ranks):
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=get_group(ranks))
     high, low = both[0].item(), -both[1].item()
     if high != fp or low != fp:
         sides = [(f"rank {env.get_rank()} (this one)", fp)]

@@ -99,23 +99,22 @@ class Segment:
         n = self.calls
         mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
         mine.copy_(tensor.view(-1))
+        self._meet(n, fp)
+        return rows, parts
+
+    def agree(self, fp: int) -> None:
+        """Meet the other ranks with fingerprint `fp` alone (before a gloo collective)."""
+        self.calls += 1
+        self._meet(self.calls, fp)
+
+    def _meet(self, n: int, fp: int) -> None:
+        """Publish call `n` with its fingerprint, wait for every rank's, compare them."""
         self.away[self.me] = 0  # (back from an arrival that found the ranks out of step)
         self.fingerprints[self.me, n & 1] = fp
         self.seq[self.me] = n
         self._wait(n, fp)
         if fingerprint.ENABLED:
             self._check(n & 1, fp)
-        return rows, parts
-
-    def agree(self, fp: int) -> None:
-        """Meet the other ranks with fingerprint `fp` alone (before a gloo collective)."""
-        self.calls += 1
-        n = self.calls
-        self.away[self.me] = 0
-        self.fingerprints[self.me, n & 1] = fp
-        self.seq[self.me] = n
-        self._wait(n, fp)
-        self._check(n & 1, fp)
 
     def _check(self, parity: int, fp: int) -> None:
         fps = self.fingerprints
