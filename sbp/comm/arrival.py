@@ -63,7 +63,7 @@ def arrived_together(ranks: tuple[int, ...], window_s: float, gave_up: str = "")
                 text = gave_up or f"rank {env.get_rank()} stopped waiting after {window_s} s"
                 return _back(ranks, store.compare_set(verdict, "", text).decode())
             ahead = shm.waiting_in_arrival(ranks, call)
-            if ahead and not store.check([verdict]):
+            if ahead and fingerprint.ENABLED and not store.check([verdict]):
                 _withdraw(ranks, store, count, name, ahead)
                 _out_of_step(ranks, sorted(ahead))
             time.sleep(POLL_S)
@@ -98,10 +98,9 @@ def _withdraw(
 def _out_of_step(ranks: tuple[int, ...], ahead: list[int]) -> None:
     """Peers waiting inside a collective of the set that this rank never made: they wait
     for this rank there while it waits for them here (they raise alike, see `shm`)."""
-    if ahead and fingerprint.ENABLED:
-        raise MetaMismatchError(
-            f"ranks {ahead} wait inside a collective over ranks {list(ranks)} while rank "
-            f"{env.get_rank()} waits for every rank to arrive (through the store): the "
-            "ranks run different code (per-rank settings differ, or a call made on some "
-            "ranks only)"
-        )
+    raise MetaMismatchError(
+        f"ranks {ahead} wait inside a collective over ranks {list(ranks)} while rank "
+        f"{env.get_rank()} waits for every rank to arrive (through the store): the "
+        "ranks run different code (per-rank settings differ, or a call made on some "
+        "ranks only)"
+    )
