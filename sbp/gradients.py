@@ -15,7 +15,6 @@ A `.grad` a parameter already holds gets the sum at once, as torch accumulates i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import weakref
@@ -33,7 +32,6 @@ from sbp.comm import shm, stats
 BUCKET_BYTES = 25 * 2**20
 _GRAD = attrgetter("grad")
 BUCKETS = "gradient buckets"  # the cause traced collectives of the reduction name
-_NONE = contextlib.nullcontext()
 WAITING_GRAD = attrgetter("_waiting_grad")  # a parameter's plain summed gradient, or None
 # a parameter's (one-rank Reducer, local leaf) whose `.grad` is its gradient, or None
 WAITING_IN = attrgetter("_waiting_in")
@@ -210,7 +208,7 @@ def _buckets(members: list) -> list[list]:
 
 def _all_reduce_bucket(bucket: list, groups: list[tuple[int, ...]]) -> None:
     flat = torch.cat([g._local.reshape(-1) for g in bucket])
-    with stats.cause(BUCKETS, implicit=False, phase="backward") if stats.watching() else _NONE:
+    with stats.noted(BUCKETS, implicit=False, phase="backward"):
         for ranks in groups:
             comm.all_reduce(flat, "sum", ranks)
     offset = 0
@@ -569,7 +567,7 @@ class Reducer:
             flat[flat.numel() - len(members) :].copy_(torch.tensor(used, dtype=flat.dtype))
         if self.trace is not None:
             self.trace.append(("launch", b))
-        with stats.cause(BUCKETS, implicit=False, phase="backward") if stats.watching() else _NONE:
+        with stats.noted(BUCKETS, implicit=False, phase="backward"):
             self._pending[b] = comm.all_reduce_async(flat, "sum", self.ranks)
         self._next = b + 1
 

@@ -9,7 +9,6 @@ with the transposed conversion.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -547,9 +546,6 @@ def _grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
     return partials_to_broadcast(src.nd_sbp)
 
 
-_NOTHING = contextlib.nullcontext()
-
-
 def box(local: torch.Tensor, src: GlobalSpec, dst: GlobalSpec) -> torch.Tensor:
     """Run the cached plan from `src` to `dst` on this rank's local tensor."""
     plan = boxing.plan_specs(src, dst)
@@ -571,7 +567,7 @@ class _Box(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: GlobalTensor, dst: GlobalSpec, grad_nd: NdSbp):
         ctx.src, ctx.dst, ctx.grad_nd = g._spec, dst, grad_nd
-        with stats.cause("to_global", implicit=False) if stats.watching() else _NOTHING:
+        with stats.noted("to_global", implicit=False):
             return GlobalTensor(box(read_now(g)._local, g._spec, dst), dst)
 
     @staticmethod
@@ -580,7 +576,7 @@ class _Box(torch.autograd.Function):
         target = ctx.src._replace(nd_sbp=ctx.grad_nd)
         if torch.is_grad_enabled():  # create_graph: the re-box differentiable in turn
             return rebox_differentiably(grad, target), None, None
-        with stats.cause("to_global", implicit=False) if stats.watching() else _NOTHING:
+        with stats.noted("to_global", implicit=False):
             return GlobalTensor(box(grad._local, grad._spec, target), target), None, None
 
 

@@ -102,6 +102,14 @@ def cause(op: str, implicit: bool, phase: str | None = None) -> Iterator[None]:
         _ops.pop()
 
 
+_NOTHING = contextlib.nullcontext()
+
+
+def noted(op: str, implicit: bool, phase: str | None = None):
+    """`cause(...)` while something watches, else a shared no-op context (cheap)."""
+    return cause(op, implicit, phase) if _watchers[0] > 0 else _NOTHING
+
+
 @contextlib.contextmanager
 def converting(text: str) -> Iterator[None]:
     _conversions.append(text)
