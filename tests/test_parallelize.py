@@ -148,6 +148,21 @@ def _as_one_process(results: list, plain: torch.nn.Module, x, y) -> list:
     return [rest for _, _, rest in results]
 
 
+def _second_step_strict(model, x, y, key) -> tuple[list, list, dict]:
+    """Two AdamW steps (the first makes the optimizer's state), the second under
+    `sbp.strict()` and traced: its loss, the parameters after it, and its collectives
+    counted by `key(event)`."""
+    opt = _adamw(model)
+    _train(model, opt, x, y, steps=1)
+    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
+        losses = _train(model, opt, x, y, steps=1)
+    counts: dict = {}
+    for e in st.events:
+        counts[key(e)] = counts.get(key(e), 0) + 1
+    params = [p.full_tensor() for p in model.parameters()]
+    return [float(v.full_tensor()) for v in losses], params, counts
+
+
 def _gpt() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(GPTBlock(), GPTBlock())
@@ -162,15 +177,7 @@ def _gpt_parallel_training() -> tuple[list, list, dict]:
     P = sbp.placement.all("cpu")
     model = sbp.nn.parallelize(_gpt(), GPT_PLAN, P)
     x, y = (t.to_global(P, sbp.broadcast) for t in _gpt_data())
-    opt = _adamw(model)
-    _train(model, opt, x, y, steps=1)
-    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
-        losses = _train(model, opt, x, y, steps=1)
-    phases = {"forward": 0, "backward": 0}
-    for e in st.events:
-        phases[e.phase] += 1
-    params = [p.full_tensor() for p in model.parameters()]
-    return [float(v.full_tensor()) for v in losses], params, phases
+    return _second_step_strict(model, x, y, lambda e: e.phase)
 
 
 def test_gpt_blocks_communicate_as_megatron_and_train_as_one_process(pool2):
@@ -186,16 +193,7 @@ def _dp_tp_training() -> tuple[list, list, dict]:
     plan = {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
     model = sbp.nn.parallelize(_model(), plan, P)  # tp along hierarchy dim 1
     x, y = (t.to_global(P, (sbp.split(0), sbp.broadcast)) for t in _data())
-    opt = _adamw(model)
-    _train(model, opt, x, y, steps=1)
-    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
-        losses = _train(model, opt, x, y, steps=1)
-    causes: dict = {}
-    for e in st.events:
-        key = (e.phase, e.op)
-        causes[key] = causes.get(key, 0) + 1
-    params = [p.full_tensor() for p in model.parameters()]
-    return [float(v.full_tensor()) for v in losses], params, causes
+    return _second_step_strict(model, x, y, lambda e: (e.phase, e.op))
 
 
 def test_dp_x_tp_on_a_2d_placement(pool4):
@@ -222,16 +220,7 @@ def _sequence_parallel_training() -> tuple[list, list, dict]:
     }
     model = sbp.nn.parallelize(_gpt(), plan, P)
     x, y = (sbp.tensor(t, placement=P, sbp=sbp.split(1)) for t in _gpt_data())
-    opt = _adamw(model)
-    _train(model, opt, x, y, steps=1)
-    with sbp.strict(model), sbp.comm_stats(trace=True) as st:
-        losses = _train(model, opt, x, y, steps=1)
-    kinds: dict = {}
-    for e in st.events:
-        key = (e.phase, e.op, e.kind)
-        kinds[key] = kinds.get(key, 0) + 1
-    params = [p.full_tensor() for p in model.parameters()]
-    return [float(v.full_tensor()) for v in losses], params, kinds
+    return _second_step_strict(model, x, y, lambda e: (e.phase, e.op, e.kind))
 
 
 def test_sequence_parallel_gpt_blocks(pool2):
