@@ -418,13 +418,13 @@ def _rendezvous_error(
             f"(--node_rank {others}) with --nnodes {args.nnodes} "
             f"--master_addr {args.master_addr} --master_port {port}, or raise --join_timeout"
         )
-    if not is_master and "Ping failed" in text:
+    # Something listened (`_wait_for_node0` saw it) but did not act as a store: its
+    # "Ping failed", or, on a loaded machine, the client's own timeout first.
+    if not is_master and ("Ping failed" in text or isinstance(err, torch.distributed.DistError)):
         return _LaunchError(
             f"something answers at {where}, but it is not node 0's rendezvous store (another "
             "program listens there?); check --master_addr and --master_port"
         )
-    if not is_master and isinstance(err, torch.distributed.DistNetworkError):
-        return _node0_silent(args)
     return None
 
 
