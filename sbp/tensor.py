@@ -1205,11 +1205,18 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             agreement.raise_everywhere(bad, "module.to_global")
         raise bad
     done: dict[int, Any] = {}
+    nd = normalize_nd_sbp(sbp, placement.ndim)
+    whole = (broadcast,) * placement.ndim
 
     def convert(t: torch.Tensor) -> GlobalTensor:
         if isinstance(t, GlobalTensor):  # already global: re-box, as OneFlow does
             return t.detach().to_global(placement, sbp)
-        return local_to_global(t.detach(), placement, sbp, **kwargs)
+        # Each rank holds the user's whole model: it is the logical one, synced as a
+        # broadcast, and then each rank keeps its part (split) or share (partial). Taken
+        # as each rank's shard, as a tensor's `to_global` would, `split(0)` would make
+        # every weight rank-count times as long (docs/api.md "Global modules").
+        value = local_to_global(t.detach(), placement, whole, **kwargs)
+        return value if nd == whole else value.to_global(placement, nd)
 
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):

@@ -288,6 +288,46 @@ def test_module_to_global_on_a_global_module_reboxes(pool4):
             torch.testing.assert_close(grad, lin.weight.grad)
 
 
+def _plain_module_to_global(layout):
+    """A plain module made global keeps its logical shape and values whatever the sbp."""
+    places = {1: sbp.placement("cpu", [0, 1, 2]), 2: sbp.placement("cpu", [[0, 1], [2, 3]])}
+    nd = {
+        "S0": (S0,),
+        "P": (P,),
+        "B,S0": (B, S0),
+        "S0,S0": (S0, S0),
+        "P,S0": (P, S0),
+    }[layout]
+    torch.manual_seed(sbp.env.get_rank())  # ranks start different: rank 0's values win
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model.double().to_global(places[len(nd)], nd)
+    x = sbp.tensor(_logical((4, 5)), places[len(nd)], (B,) * len(nd))
+    model(x).square().sum().backward()
+    return [
+        (tuple(p.shape), p.sbp, p.full_tensor(), p.grad.full_tensor())
+        for p in model.parameters()
+    ]
+
+
+@pytest.mark.parametrize("layout", ["S0", "P", "B,S0", "S0,S0", "P,S0"])
+def test_a_plain_module_made_global_keeps_its_model(pool4, layout):
+    """`plain_module.to_global(P, split(0))` shards the user's model: each rank's whole
+    weight is the logical one (before: each rank's copy was taken as its shard, and
+    `Linear(5, 7)` became a (21, 5) weight on 3 ranks)."""
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    want.double()(_logical((4, 5))).square().sum().backward()
+    two_d = "," in layout
+    for rank, got in enumerate(pool4.run(_plain_module_to_global, layout)):
+        for (shape, nd, value, grad), p in zip(got, want.parameters(), strict=True):
+            assert shape == tuple(p.shape)
+            assert len(nd) == (2 if two_d else 1)
+            if rank == 3 and not two_d:
+                continue  # outside the 1-D placement: metadata only
+            torch.testing.assert_close(value, p.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(grad, p.grad, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------- item 2: in-place init
 
 
