@@ -304,8 +304,7 @@ def _plain_module_to_global(layout):
     x = sbp.tensor(_logical((4, 5)), places[len(nd)], (B,) * len(nd))
     model(x).square().sum().backward()
     return [
-        (tuple(p.shape), p.sbp, p.full_tensor(), p.grad.full_tensor())
-        for p in model.parameters()
+        (tuple(p.shape), p.sbp, p.full_tensor(), p.grad.full_tensor()) for p in model.parameters()
     ]
 
 
