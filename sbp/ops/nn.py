@@ -15,6 +15,7 @@ import torch
 from sbp import env
 from sbp.errors import InputTypeError, InputValueError, LabelRangeError
 from sbp.layout import GlobalSpec
+from sbp.ops import class_split
 from sbp.ops.registry import (
     LOCAL_INDEX_OPS,
     Call,
@@ -85,14 +86,29 @@ def convolution_backward(call: Call) -> list[Strategy]:
 # ---------------------------------------------------------------- softmax and losses
 
 
-@register_strategy(aten._log_softmax, aten._softmax, aten._safe_softmax)
+def _over_dim(call: Call, dim_pos: int, n_in: int) -> list[Strategy]:
+    """Split along any dim but `dim`, or along `dim` too: the normaliser is then combined
+    over the ranks (`sbp.ops.class_split`), one number per row, not the rows gathered."""
+    ndim = len(call.specs[0].shape)
+    if ndim == 0:
+        return split_except_dim(call, dim_pos, n_in)
+    dim = call.arg(dim_pos, "dim")
+    along = split(dim + ndim if dim < 0 else dim)
+    return [*split_except_dim(call, dim_pos, n_in), Strategy((along,) * n_in, (along,))]
+
+
+@register_strategy(aten._log_softmax, aten._softmax, aten._safe_softmax, local=class_split.softmax)
 def softmax(call: Call) -> list[Strategy]:
-    return split_except_dim(call, 1, 1)
+    return _over_dim(call, 1, 1)
 
 
-@register_strategy(aten._log_softmax_backward_data, aten._softmax_backward_data)
+@register_strategy(
+    aten._log_softmax_backward_data,
+    aten._softmax_backward_data,
+    local=class_split.softmax_backward,
+)
 def softmax_backward(call: Call) -> list[Strategy]:
-    return split_except_dim(call, 2, 2)
+    return _over_dim(call, 2, 2)
 
 
 @register_strategy(aten.glu)
@@ -158,9 +174,11 @@ def group_norm_backward(call: Call) -> list[Strategy]:
     ]
 
 
-def _batch_layout(spec: GlobalSpec) -> tuple:
-    """Keep splits of the batch dim (0); everything else broadcast."""
-    return tuple(s if s.is_split and s.dim == 0 else B for s in spec.nd_sbp)
+def _batch_layout(spec: GlobalSpec, classes: bool = False) -> tuple:
+    """Keep splits of the batch dim (0), and with `classes` of the class dim (1); everything
+    else broadcast."""
+    keep = (0, 1) if classes else (0,)
+    return tuple(s if s.is_split and s.dim in keep else B for s in spec.nd_sbp)
 
 
 class NllLayout(NamedTuple):
@@ -174,6 +192,7 @@ class NllLayout(NamedTuple):
     total: GlobalSpec  # the total weight, broadcast
     total_parts: GlobalSpec  # this rank's local total weight, a partial sum
     inside: bool  # this rank holds data
+    classes_split: bool  # x split along the classes: each rank picks its targets' scores
 
 
 _nll_layouts: dict = {}
@@ -186,21 +205,25 @@ def nll_layout(x, target, weight, reduction: int) -> NllLayout:
     if layout is not None:
         return layout
     spec = x._spec
-    # (N, C) or (N, C, d1, ...): the batch may stay split; a single sample (C,) is whole
-    nd = _batch_layout(spec) if len(spec.shape) >= 2 else tuple(B for _ in spec.nd_sbp)
+    # (N, C) or (N, C, d1, ...): the batch and the classes may stay split (the loss is then
+    # a partial sum over the ranks holding a row's classes); a single sample (C,) is whole
+    batched = len(spec.shape) >= 2
+    nd = _batch_layout(spec, classes=True) if batched else tuple(B for _ in spec.nd_sbp)
+    batch_nd = _batch_layout(spec) if batched else nd
     broadcast_nd = (B,) * len(nd)
-    parts = splits_to_partials(nd)
     total = GlobalSpec(spec.placement, broadcast_nd, (), spec.dtype)
+    per_sample = tuple(P if s.is_split and s.dim == 1 else s for s in nd)  # reduction none
     layout = NllLayout(
         x=spec._replace(nd_sbp=nd),
-        target=target._spec._replace(nd_sbp=nd),
+        target=target._spec._replace(nd_sbp=batch_nd),
         weight=None if weight is None else weight._spec._replace(nd_sbp=broadcast_nd),
-        out=GlobalSpec(spec.placement, nd, tuple(target.shape), spec.dtype)
+        out=GlobalSpec(spec.placement, per_sample, tuple(target.shape), spec.dtype)
         if reduction == 0
-        else total._replace(nd_sbp=parts),
+        else total._replace(nd_sbp=splits_to_partials(nd)),
         total=total,
-        total_parts=total._replace(nd_sbp=parts),
+        total_parts=total._replace(nd_sbp=splits_to_partials(batch_nd)),
         inside=rank in spec.placement,
+        classes_split=nd != batch_nd,
     )
     if len(_nll_layouts) > 64:
         _nll_layouts.clear()
@@ -221,7 +244,11 @@ def nll_loss_forward(func, args, kwargs):
     check_labels(target, shape[1] if len(shape) > 1 else shape[0], ignore_index)
     x, target = rebox_to(x, layout.x), rebox_to(target, layout.target)
     weight = None if weight is None else rebox_to(weight, layout.weight)
-    if layout.inside:
+    if layout.inside and layout.classes_split:
+        out, tw = _nll_of_split_classes(
+            x._local, target._local, weight, reduction, ignore_index, layout
+        )
+    elif layout.inside:
         out, tw = func._op(
             x._local,
             target._local,
@@ -242,6 +269,16 @@ def nll_loss_forward(func, args, kwargs):
     if reduction == 2:
         return GlobalTensor(out, layout.out), total
     return GlobalTensor(out / total._local if layout.inside else out, layout.out), total
+
+
+def _nll_of_split_classes(x, target, weight, reduction: int, ignore_index: int, layout):
+    """nll_loss's local results where this rank holds some of the classes: its part of the
+    loss (the targets in its slice), and the total weight of its rows' targets."""
+    w = None if weight is None else weight._local
+    lo = class_split.class_offset(layout.x, 1)
+    out = class_split.picked(x, target, w, ignore_index, lo)
+    tw = class_split.target_weights(target, w, ignore_index, x.dtype).sum()
+    return (out if reduction == 0 else out.sum()), tw
 
 
 def check_labels(target, classes: int, ignore_index: int) -> tuple[int, int] | None:
@@ -273,14 +310,16 @@ def never_ignored(bounds: tuple[int, int] | None, ignore_index: int) -> bool:
     return bounds is not None and not bounds[0] <= ignore_index <= bounds[1]
 
 
-@register_strategy(aten.nll_loss_backward, aten.nll_loss2d_backward)
+@register_strategy(aten.nll_loss_backward, aten.nll_loss2d_backward, local=class_split.nll_backward)
 def nll_loss_backward(call: Call) -> list[Strategy]:
-    S0 = split(0)
+    S0, S1 = split(0), split(1)
     reduction = call.arg(4, "reduction")
     first = {0: S0} if reduction == 0 else {}
     cands = [Strategy(by_position(call, {}), (B,))]
     if call.arg(1, "self").dim() > 1:  # (one unbatched sample, (C,): no batch to split)
         cands.append(Strategy(by_position(call, {**first, 1: S0, 2: S0}), (S0,)))
+        # the classes split: each rank writes its targets' gradients (`class_split`)
+        cands.append(Strategy(by_position(call, {1: S1}), (S1,)))
     return cands
 
 

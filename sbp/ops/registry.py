@@ -76,12 +76,16 @@ class StrategyRule:
     `check(func, args, kwargs)` raises, on every rank alike, for arguments that would fail
     one rank's kernel alone (the others would wait for it in their next collective), and
     returns what it checked, an `IndexLimit`, or None. A decision cannot skip it: such an
-    op never takes the direct path."""
+    op never takes the direct path. Optional `local(func, args, kwargs, in_specs)` runs the
+    op on the local tensors instead of its aten kernel, where the rule's computation differs
+    (a softmax over a split dim combines its normaliser over the ranks:
+    `sbp.ops.class_split`)."""
 
     candidates: Callable[[Call], Sequence[Strategy]]
     local_args: Callable | None = None
     post: Callable | None = None
     check: Callable | None = None
+    local: Callable | None = None
 
 
 def split_leading_dims(call: Call, n_in: int, n_out: int, trailing: int = 2) -> list[Strategy]:
@@ -179,11 +183,12 @@ def register_strategy(
     local_args: Callable | None = None,
     post: Callable | None = None,
     check: Callable | None = None,
+    local: Callable | None = None,
 ):
     """Decorator for a candidates function: the op runs through the strategy engine."""
 
     def deco(candidates):
-        rule = StrategyRule(candidates, local_args, post, check)
+        rule = StrategyRule(candidates, local_args, post, check, local)
         for op in ops:
             _rules[op] = rule
         return candidates
@@ -720,6 +725,7 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
         and (rule.local_args is None or sized)
         and rule.post is None
         and rule.check is None
+        and rule.local is None
         and (not is_inplace(func) or outs[0] == specs[0])
         and tuple(specs) == req
         and getattr(func, "_pyobj_dispatcher", None) is None
@@ -798,7 +804,9 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
     if inside:
         leaves = (
             None
-            if inplace or d.empty_here is None
+            # (a rule's own local computation runs also on an empty shard: it may take
+            # part in collectives)
+            if inplace or d.empty_here is None or rule.local is not None
             else [  # (made afresh, not cloned: while tracing they must be fake tensors)
                 None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
                 for t in d.empty_here
@@ -810,7 +818,9 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
                 largs, lkwargs = rule.local_args(
                     func, largs, lkwargs, env.get_rank(), d.in_specs, d.out_specs
                 )
-            if getattr(rule.local_args, "size_from_output", False):
+            if rule.local is not None:
+                out = rule.local(func, largs, lkwargs, d.in_specs)
+            elif getattr(rule.local_args, "size_from_output", False):
                 out, copied = local_view(func, largs, lkwargs)
             else:
                 out = func(*largs, **lkwargs)
