@@ -66,13 +66,9 @@ def test_cross_entropy_of_logits_split_along_the_classes(pool4, name, classes):
     for loss, grad, fwd, bwd in results[:3]:
         torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad, want_logits.grad, rtol=1e-12, atol=1e-12)
-        if name == "smoothed":
-            # label smoothing also sums the log-probabilities over the classes (a partial
-            # sum), and its masked_fill_ of the ignored rows splits that sum first: one
-            # number per row again
-            assert fwd == [("all_reduce", 2), ("all_to_all", 1)]
-        else:
-            assert fwd == [("all_reduce", 2)]
+        # label smoothing also sums the log-probabilities over the classes: a partial sum,
+        # reduced before its masked_fill_ of the ignored rows (one number per row again)
+        assert fwd == [("all_reduce", 3 if name == "smoothed" else 2)]
         assert bwd == [("all_reduce", 1)]
 
 

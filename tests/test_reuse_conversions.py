@@ -268,7 +268,7 @@ def _train_with_converted_weight(reuse: bool):
         counts = []
         for _ in range(3):
             with sbp.comm_stats() as st:
-                loss = (gx @ w.softmax(0)).pow(2).sum() + w.log_softmax(0).pow(2).sum()
+                loss = (gx @ w.sort(0).values).pow(2).sum() + w.sort(0).values.exp().sum()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -279,14 +279,14 @@ def _train_with_converted_weight(reuse: bool):
 
 
 def test_an_optimizer_step_drops_its_parameters_kept_conversions(pool2):
-    """A weight split(0) that softmax(0) and logsumexp(0) need split on its other dim:
+    """A weight split(0) that two sorts along dim 0 need converted:
     converted once per step with reuse (twice without), and again after each AdamW step
     (which writes the locals outside the dispatcher): equal to one process."""
     x, w0 = _data((5, 6), (6, 4), seed=7)
     w = w0.clone().requires_grad_()
     opt = torch.optim.AdamW([w], lr=0.05)
     for _ in range(3):
-        loss = (x @ w.softmax(0)).pow(2).sum() + w.log_softmax(0).pow(2).sum()
+        loss = (x @ w.sort(0).values).pow(2).sum() + w.sort(0).values.exp().sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -295,7 +295,7 @@ def test_an_optimizer_step_drops_its_parameters_kept_conversions(pool2):
         for _, got in results:
             torch.testing.assert_close(got, w.detach(), **TOL)
     off, on = runs[False][0][0], runs[True][0][0]
-    assert (on, off) == ([{"all_to_all": 1}] * 3, [{"all_to_all": 2}] * 3), (on, off)
+    assert (on, off) == ([{"all_gather": 1}] * 3, [{"all_gather": 2}] * 3), (on, off)
 
 
 # ---------------------------------------------------------------- nothing kept

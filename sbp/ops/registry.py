@@ -407,6 +407,8 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
                 )
             gpos.append(i)
             key.append(spec)
+            if a.requires_grad:  # (decisions price the gradient's conversions: `_decide`)
+                key.append(True)
         elif isinstance(a, torch.Tensor):
             # A 0-dim local tensor too: its value may differ per rank (rank 0 holds 2.0,
             # rank 1 3.0), so taking it as broadcast would give silently different results.
@@ -685,7 +687,29 @@ def _sums_stay_sums(candidate: Strategy, specs: list[GlobalSpec], metas: list) -
     )
 
 
-def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> Decision:
+def _gradient_plan(src: GlobalSpec, req: GlobalSpec) -> Any:
+    """The plan of the gradient's way back through the conversion `src -> req`, or None
+    where it is free. The gradient arrives laid out as `req` (a partial sum's gradient is
+    whole) and must leave as `src` needs it: whole for a partial sum, as split for a split;
+    a broadcast input takes it as it comes (partial sums included). So resolving a partial
+    by a reduce-scatter, cheaper than an all-reduce at that op, is priced with the
+    all-gather its gradient then needs: a partial is resolved where it pays, not where it
+    is cheapest forward (issue 51)."""
+    arriving = tuple(broadcast if s.is_partial else s for s in req.nd_sbp)
+    needed = tuple(
+        broadcast if s.is_partial else (a if s.is_broadcast else s)
+        for s, a in zip(src.nd_sbp, arriving, strict=True)
+    )
+    if arriving == needed:
+        return None
+    return plan_specs(req._replace(nd_sbp=arriving), src._replace(nd_sbp=needed))
+
+
+def _decide(
+    rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec], grads: Sequence[bool]
+) -> Decision:
+    """The cheapest candidate: the conversions its inputs need, and for the inputs that
+    require grad, the conversions their gradients will need on the way back."""
     metas, tree = _outputs_on_meta(func, args, kwargs)
     call = Call(func, args, kwargs, specs, metas)
     candidates = [c for c in rule.candidates(call) if _sums_stay_sums(c, specs, metas)]
@@ -697,6 +721,11 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
             s._replace(nd_sbp=tuple(c.inputs[j] for c in combo)) for j, s in enumerate(specs)
         )
         plans = [plan_specs(s, r) for s, r in zip(specs, req, strict=True) if s != r]
+        plans += [
+            p
+            for s, r, g in zip(specs, req, grads, strict=True)
+            if g and s != r and (p := _gradient_plan(s, r)) is not None
+        ]
         cost = (sum(p.cost for p in plans), sum(len(p.steps) for p in plans))
         if best_cost is None or cost < best_cost:
             best, best_cost = (combo, req), cost
@@ -748,10 +777,10 @@ def _decide(rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec]) -> 
     )
 
 
-def decision_for(rule: StrategyRule, func, args, kwargs, key, specs) -> Decision:
+def decision_for(rule: StrategyRule, func, args, kwargs, key, specs, grads) -> Decision:
     d = _cache.get(key)
     if d is None:
-        d = _decide(rule, func, args, kwargs, specs)
+        d = _decide(rule, func, args, kwargs, specs, grads)
         _cache[key] = d
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)  # the least recently used (hits move to the end)
@@ -778,7 +807,9 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
 
         args, kwargs = unflatten(flat, tree)
         try:
-            d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
+            specs = [flat[i]._spec for i in gpos]
+            grads = [flat[i].requires_grad for i in gpos]
+            d = decision_for(rule, func, args, kwargs, key, specs, grads)
         except NoMeta:
             return run_data_dependent(func, flat, tree, gpos)
     checked = None if rule.check is None else rule.check(func, *unflatten(flat, tree))
