@@ -94,16 +94,17 @@ def test_megatron_mlp_trains_as_one_process_moving_each_value_once(pool2):
     and the input broadcast, ReLU between), MSE loss, AdamW, 2 ranks: equal to one process,
     with these collectives per step, measured without reuse (as before it) and with it:
 
-    - forward, both: 3 all-reduces (blocks 2-4 take their input, a partial sum, whole)
-      and 1 all-to-all (the loss's square takes the last output split);
-    - backward, before: 12 all-reduces. The gradient at each block's output, a partial sum,
-      was all-reduced for `grad @ W2` and again for fc2's weight gradient (8 in 4 blocks);
-      each inner block's input, all-reduced in forward, was all-reduced again, transposed,
-      for fc1's weight gradient (3); and the fc2 biases' gradients, one bucket (1);
-    - backward, after: 5 all-reduces (one per block's output gradient, and the bucket):
-      16 collectives per step -> 9. Megatron's floor is 7 (4 forward, 3 backward); the
-      rest is propagation (a gradient left partial at each block's output), not moving
-      a value twice.
+    - forward, both: 4 all-reduces (blocks 2-4 take their input, a partial sum, whole;
+      the loss's square takes the last output whole: resolving it by a reduce-scatter
+      is priced with the all-gather its gradient would need, `registry._gradient_plan`);
+    - backward, without reuse: 12 all-reduces. The gradient at each block's output, a
+      partial sum, is all-reduced for `grad @ W2` and again for fc2's weight gradient;
+      each inner block's input, all-reduced in forward, again for fc1's weight gradient;
+    - backward, with reuse: 4 all-reduces, one per block's output gradient (the fc2 bias
+      gradients are summed from those whole gradients: nothing left to reduce at the
+      leaves): 16 collectives per step -> 8. Megatron's floor is 7 (4 forward, 3
+      backward); the one more is mse_loss's backward, which recomputes `output - target`
+      from the last block's partial output rather than from the value forward reduced.
     """
     before, after = pool2.run(_train_mlp, False), pool2.run(_train_mlp, True)
     ref = [[t.clone().requires_grad_() for t in block] for block in _mlp_params()]
@@ -123,9 +124,9 @@ def test_megatron_mlp_trains_as_one_process_moving_each_value_once(pool2):
         for got, want in zip(params, flat, strict=True):
             torch.testing.assert_close(got, want.detach(), **TOL)
     for counts, _, _ in before:
-        assert counts == [({"all_reduce": 3, "all_to_all": 1}, {"all_reduce": 12})] * STEPS
+        assert counts == [({"all_reduce": 4}, {"all_reduce": 12})] * STEPS
     for counts, _, _ in after:
-        assert counts == [({"all_reduce": 3, "all_to_all": 1}, {"all_reduce": 5})] * STEPS
+        assert counts == [({"all_reduce": 4}, {"all_reduce": 4})] * STEPS
 
 
 # ---------------------------------------------------------------- one partial value, many uses

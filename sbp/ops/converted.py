@@ -245,3 +245,35 @@ def convert(g: Any, dst: GlobalSpec, box: Callable) -> torch.Tensor:
     dense = _dense(local) and _dense(out)
     _keep(g, _Kept(src, dst, local, out, (_versions(local), _versions(out)), dense))
     return out
+
+
+def at_hand(flat: list, global_type: type) -> list:
+    """`flat` with each partial global tensor that has a kept conversion to a layout without
+    partial sums (a partial activation all-reduced by an earlier consumer) replaced by
+    that value, as a global tensor in the kept layout: the same logical value, so the
+    op's decision starts from what is already at hand instead of resolving the partial
+    sum a second way (backward's layer norm would reduce-scatter what forward's
+    all-reduced). For ops that neither write an argument nor return views (the caller
+    checks); nothing while tracing or with reuse off, as for `convert`."""
+    out = None
+    for i, a in enumerate(flat):
+        if type(a) is not global_type:
+            continue
+        for kept in _entries(a):
+            if (
+                kept.src == a._spec
+                and kept.local is a._local
+                and any(s.is_partial for s in kept.src.nd_sbp)
+                and not any(s.is_partial for s in kept.dst.nd_sbp)
+                and _valid(kept)
+            ):
+                if out is None:
+                    out = list(flat)
+                out[i] = global_type(kept.out, kept.dst)
+                break
+    return flat if out is None else out
+
+
+def any_kept() -> bool:
+    """Is anything kept now (`at_hand` has anything to find)?"""
+    return bool(_kept)

@@ -544,6 +544,9 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             observers[-1].custom(func, args)
         return rule(func, args, kwargs)
     flat, tree = flatten(args, kwargs)
+    if converted.any_kept() and not observers and type(rule) is StrategyRule:
+        if not (is_view(func) or is_inplace(func) or _writes_any(func)):
+            flat = converted.at_hand(flat, _global_type())
     key, gpos = scan(func, flat, tree)
     d = _cache.get(key)
     if d is not None:
@@ -705,6 +708,37 @@ def _gradient_plan(src: GlobalSpec, req: GlobalSpec) -> Any:
     return plan_specs(req._replace(nd_sbp=arriving), src._replace(nd_sbp=needed))
 
 
+def _gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
+    """Where a candidate resolves an input's partial sum into a split (a reduce-scatter,
+    cheaper than an all-reduce at this op), the plans that gather its outputs split there
+    back to whole: a value that was a sum of the ranks' parts is, as a rule, needed whole
+    next (the residual stream of a tensor-parallel block), and the split would only move
+    the other half of the all-reduce to a later op. Resolving straight to broadcast then
+    costs as much and runs one collective, not two (sequence parallelism, which wants the
+    split, says so at a module boundary: `sbp.nn.parallelize`)."""
+    dims = {
+        h
+        for s, r in zip(specs, req, strict=True)
+        for h, (a, b) in enumerate(zip(s.nd_sbp, r.nd_sbp, strict=True))
+        if a.is_partial and b.is_split
+    }
+    if not dims:
+        return []
+    P = specs[0].placement
+    plans, k = [], 0
+    for m in metas:
+        if m is None:
+            continue
+        nd = tuple(c.outputs[k] for c in combo)
+        k += 1
+        if any(nd[h].is_split for h in dims):
+            whole = tuple(broadcast if h in dims and s.is_split else s for h, s in enumerate(nd))
+            plans.append(
+                plan_specs(GlobalSpec(P, nd, m[0], m[1]), GlobalSpec(P, whole, m[0], m[1]))
+            )
+    return plans
+
+
 def _decide(
     rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec], grads: Sequence[bool]
 ) -> Decision:
@@ -726,6 +760,7 @@ def _decide(
             for s, r, g in zip(specs, req, grads, strict=True)
             if g and s != r and (p := _gradient_plan(s, r)) is not None
         ]
+        plans += _gathered_again(specs, req, metas, combo)
         cost = (sum(p.cost for p in plans), sum(len(p.steps) for p in plans))
         if best_cost is None or cost < best_cost:
             best, best_cost = (combo, req), cost
