@@ -95,16 +95,16 @@ def test_megatron_mlp_trains_as_one_process_moving_each_value_once(pool2):
     with these collectives per step, measured without reuse (as before it) and with it:
 
     - forward, both: 4 all-reduces (blocks 2-4 take their input, a partial sum, whole;
-      the loss's square takes the last output whole: resolving it by a reduce-scatter
-      is priced with the all-gather its gradient would need, `registry._gradient_plan`);
-    - backward, without reuse: 12 all-reduces. The gradient at each block's output, a
-      partial sum, is all-reduced for `grad @ W2` and again for fc2's weight gradient;
-      each inner block's input, all-reduced in forward, again for fc1's weight gradient;
-    - backward, with reuse: 4 all-reduces, one per block's output gradient (the fc2 bias
-      gradients are summed from those whole gradients: nothing left to reduce at the
-      leaves): 16 collectives per step -> 8. Megatron's floor is 7 (4 forward, 3
-      backward); the one more is mse_loss's backward, which recomputes `output - target`
-      from the last block's partial output rather than from the value forward reduced.
+      mse_loss takes the last output whole, `sbp.ops.decomposed`);
+    - backward, without reuse: 11 all-reduces. The gradient at each block's output, a
+      partial sum, is all-reduced for `grad @ W2` and again for fc2's weight gradient
+      (but the last block's, which mse_loss's backward computes from the output forward
+      reduced); each inner block's input, all-reduced in forward, again for fc1's weight
+      gradient;
+    - backward, with reuse: 3 all-reduces, one per inner block's output gradient (the
+      fc2 bias gradients are summed from those whole gradients, and mse_loss's backward
+      takes the output forward reduced): 16 collectives per step -> 7, Megatron's floor
+      (4 forward, 3 backward).
     """
     before, after = pool2.run(_train_mlp, False), pool2.run(_train_mlp, True)
     ref = [[t.clone().requires_grad_() for t in block] for block in _mlp_params()]
@@ -124,9 +124,9 @@ def test_megatron_mlp_trains_as_one_process_moving_each_value_once(pool2):
         for got, want in zip(params, flat, strict=True):
             torch.testing.assert_close(got, want.detach(), **TOL)
     for counts, _, _ in before:
-        assert counts == [({"all_reduce": 4}, {"all_reduce": 12})] * STEPS
+        assert counts == [({"all_reduce": 4}, {"all_reduce": 11})] * STEPS
     for counts, _, _ in after:
-        assert counts == [({"all_reduce": 4}, {"all_reduce": 4})] * STEPS
+        assert counts == [({"all_reduce": 4}, {"all_reduce": 3})] * STEPS
 
 
 # ---------------------------------------------------------------- one partial value, many uses

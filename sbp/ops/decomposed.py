@@ -15,7 +15,10 @@ from __future__ import annotations
 import torch
 from torch._decomp import decomposition_table
 
-from sbp.ops.registry import register, register_when
+from sbp.comm import stats
+from sbp.ops import converted
+from sbp.ops.registry import _tensor_helpers, observers, register, register_when
+from sbp.signature import partials_to_broadcast
 
 aten = torch.ops.aten
 
@@ -35,7 +38,29 @@ DECOMPOSED = [
 
 
 def _decomposed(func, args, kwargs):
+    """torch's decomposition, on the inputs made whole first where they are partial sums:
+    these losses need them whole anyway, and a conversion made here is kept with the
+    input (`sbp.ops.converted`), so the backward's decomposition, which recomputes from
+    the same saved input (mse's `input - target`), takes the reduced value instead of
+    reducing its own gradient again."""
+    if any(_partial(a) for a in args):
+        with stats.noted(str(func), implicit=True):
+            args = tuple(_whole(a) if _partial(a) else a for a in args)
     return decomposition_table[func](*args, **kwargs)
+
+
+def _partial(a) -> bool:
+    spec = getattr(a, "_spec", None)
+    return spec is not None and any(s.is_partial for s in spec.nd_sbp)
+
+
+def _whole(g):
+    """`g` as a global tensor without partial sums: the same logical value."""
+    global_type, box = _tensor_helpers()
+    dst = g._spec._replace(nd_sbp=partials_to_broadcast(g._spec.nd_sbp))
+    if observers:  # (the data-parallel fast path's checking pass: nothing kept)
+        return global_type(box(g._local, g._spec, dst), dst)
+    return global_type(converted.convert(g, dst, box), dst)
 
 
 register(*(op for op in DECOMPOSED if op in decomposition_table))(_decomposed)
