@@ -133,3 +133,46 @@ def test_softmax_over_a_split_dim(pool4, fn_name):
         assert torch.isnan(out[1]).all() == torch.isnan(want[1]).all()
         torch.testing.assert_close(grad[keep], x.grad[keep], rtol=1e-12, atol=1e-12)
         assert reduced == 1
+
+
+def _vocab_split_embedding(ranks, weight_nd, ids_nd, padding_idx):
+    P = sbp.placement("cpu", ranks)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, padding_idx=padding_idx).double()
+    emb.to_global(P, weight_nd)  # the whole table, each rank keeping its rows
+    ids = torch.tensor([[1, 7, 3, 9], [9, 0, 5, 2], [4, 4, 8, 6], [0, 2, 2, 3]])
+    g = sbp.tensor(ids, P, ids_nd)
+    with sbp.comm_stats() as fwd:
+        out = emb(g)
+    up = sbp.tensor(torch.arange(64.0, dtype=torch.float64).reshape(4, 4, 4), P, ids_nd)
+    with sbp.comm_stats() as bwd:
+        out.backward(up)
+    return out.full_tensor(), emb.weight.grad.full_tensor(), out.sbp, fwd.calls, bwd.calls
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+@pytest.mark.parametrize(
+    "ranks, weight_nd, ids_nd, out_nd, reduced",
+    [
+        ([0, 1, 2], (S0,), (B,), (sbp.partial_sum,), 0),  # 4/3/3 rows
+        # DP x TP: the weight's gradient reduced over the batch's ranks, one bucket
+        ([[0, 1], [2, 3]], (B, S0), (S0, B), (S0, sbp.partial_sum), 1),
+    ],
+)
+def test_embedding_with_the_vocabulary_split(
+    pool4, padding_idx, ranks, weight_nd, ids_nd, out_nd, reduced
+):
+    """Megatron's VocabParallelEmbedding: each rank looks up the ids in its rows, the
+    output is a partial sum, nothing moves forward, nor backward but the data-parallel
+    gradient reduction (before: the table was all-gathered). Output and weight gradient
+    equal one process's."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, padding_idx=padding_idx).double()
+    ids = torch.tensor([[1, 7, 3, 9], [9, 0, 5, 2], [4, 4, 8, 6], [0, 2, 2, 3]])
+    want = emb(ids)
+    want.backward(torch.arange(64.0, dtype=torch.float64).reshape(4, 4, 4))
+    results = pool4.run(_vocab_split_embedding, ranks, weight_nd, ids_nd, padding_idx)
+    for out, grad, nd, fwd, bwd in results[: 3 if len(ranks) == 3 else 4]:
+        torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(grad, emb.weight.grad, rtol=1e-12, atol=1e-12)
+        assert nd == out_nd and (fwd, bwd) == (0, reduced)

@@ -1,4 +1,4 @@
-"""Softmax and the negative log-likelihood over a split class dim (vocabulary parallel).
+"""Softmax, the negative log-likelihood and embedding over a split vocabulary dim.
 
 A language model's head with its weight `split(0)` makes logits split along the class
 (vocabulary) dim. Gathering them for the loss moves the whole (tokens, vocabulary) tensor;
@@ -12,6 +12,9 @@ the same, op by op, as torch's `cross_entropy` decomposes:
   slice, so the loss is a partial sum over those ranks (no collective).
 * Their backward passes are local too, but for log_softmax's sum of the incoming
   gradient along the class dim (one all-reduce of one number per row).
+* `embedding` with the weight's rows (the vocabulary) split, Megatron's
+  VocabParallelEmbedding: each rank looks up the ids in its rows, zeros for the others,
+  so the result is a partial sum, reduced where it is needed whole.
 
 The functions here are rules' local computations (`StrategyRule.local`): they run on the
 local tensors after boxing, with the specs the rule decided.
@@ -150,3 +153,17 @@ def nll_backward(func, args: tuple, kwargs: dict, in_specs: list[GlobalSpec]) ->
         at = (target - lo).clamp(0, width - 1).unsqueeze(1)
         out.scatter_(1, at, torch.where(here, scale, torch.zeros_like(scale)).unsqueeze(1))
     return out
+
+
+def embedding(func, args: tuple, kwargs: dict, in_specs: list[GlobalSpec]) -> torch.Tensor:
+    """`embedding(weight, indices, ...)` where the weight's rows (the vocabulary) are split:
+    this rank's rows for the ids in its slice, zeros for the others (a partial sum)."""
+    weight, indices = args[0], args[1]
+    if len(class_group(in_specs[0], 0)) == 1:
+        return func(*args, **kwargs)
+    lo, rows = class_offset(in_specs[0], 0), weight.shape[0]
+    here = (indices >= lo) & (indices < lo + rows)
+    if rows == 0:
+        return weight.new_zeros((*indices.shape, weight.shape[1]))
+    out = func(weight, (indices - lo).clamp(0, rows - 1), *args[2:], **kwargs)
+    return torch.where(here.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))

@@ -362,7 +362,11 @@ def layer_norm_backward(call: Call) -> list[Strategy]:
     return cands
 
 
-@register_strategy(aten.embedding, check=indices_within((1, "indices"), lambda a: a[0].shape[0]))
+@register_strategy(
+    aten.embedding,
+    check=indices_within((1, "indices"), lambda a: a[0].shape[0]),
+    local=class_split.embedding,
+)
 def embedding(call: Call) -> list[Strategy]:
     if call.arg(4, "sparse", False):
         raise InputValueError(
@@ -371,7 +375,10 @@ def embedding(call: Call) -> list[Strategy]:
         )
     ndim = len(call.specs[1].shape)
     cands = [Strategy((B, B), (B,))] + [Strategy((B, split(d)), (split(d),)) for d in range(ndim)]
-    return cands + [Strategy((split(1), B), (split(ndim),))]  # column split: no communication
+    cands.append(Strategy((split(1), B), (split(ndim),)))  # column split: no communication
+    # the vocabulary split (Megatron's VocabParallelEmbedding): each rank looks up the ids
+    # in its rows, zeros elsewhere, so the result is a partial sum (`class_split`)
+    return [*cands, Strategy((split(0), B), (P,))]
 
 
 # F.embedding_bag of a 2-D batch makes its offsets with torch.arange over the logical
