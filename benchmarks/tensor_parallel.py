@@ -56,6 +56,7 @@ conversion), or to the code path that ran it otherwise
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -240,14 +241,16 @@ def _role(pname: str) -> tuple[str, str]:
 class Runner:
     """One method: a model, its batch, an optimizer, and how to count its collectives."""
 
-    def __init__(self, model, x, y, after_backward=None, loss_value=None):
+    def __init__(self, model, x, y, after_backward=None, loss_value=None, context=None):
         self.model, self.x, self.y = model, x, y
+        self.context = context or contextlib.nullcontext  # (sbp: tensors made in forward)
         self.opt = _opt([p for p in model.parameters() if p.requires_grad])
         self.after_backward = after_backward or (lambda: None)
         self.loss_value = loss_value or (lambda loss: float(loss))
 
     def forward(self):
-        return _loss(self.model(self.x), self.y)
+        with self.context():
+            return _loss(self.model(self.x), self.y)
 
     def step(self):
         loss = self.forward()
@@ -283,7 +286,9 @@ def _sbp_runner(base, x_log, y_log, world: int) -> Runner:
             mod._parameters[pname] = torch.nn.Parameter(value, requires_grad=True)
     x = sbp.tensor(x_log, placement=P, sbp=batch)
     y = sbp.tensor(y_log, placement=P, sbp=batch)
-    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()))
+    # (the softmax attention's causal mask, made with torch.ones in forward, is global)
+    context = lambda: sbp.global_mode(P)  # noqa: E731
+    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()), context=context)
 
 
 def _dp_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -614,7 +619,9 @@ def _sbp_plan_runner(base, x_log, y_log, world: int) -> Runner:
     model = sbp.nn.parallelize(copy.deepcopy(base), plan, P)
     x = sbp.tensor(x_log, placement=P, sbp=batch)
     y = sbp.tensor(y_log, placement=P, sbp=batch)
-    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()))
+    # (the softmax attention's causal mask, made with torch.ones in forward, is global)
+    context = lambda: sbp.global_mode(P)  # noqa: E731
+    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()), context=context)
 
 
 def _make(method, base, x, y, world, groups):

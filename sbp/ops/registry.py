@@ -12,9 +12,11 @@ learning rate never miss the cache. Ops with no rule fall back to broadcast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -530,6 +532,13 @@ _SAME_LAYOUT_VIEWS = frozenset((torch.ops.aten.detach.default, torch.ops.aten.al
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    out = _dispatch_op(func, args, kwargs)
+    if _padded and any(_is_padded(a) for a in flatten(args, kwargs)[0]):
+        _mark_padded(*flatten_outputs(out))  # (whatever ran it: views, custom rules)
+    return out
+
+
+def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
     if func in _SAME_LAYOUT_VIEWS:
         g = args[0]
         out = _global_type()(func._op(g._local), g._spec)
@@ -548,6 +557,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if not (is_view(func) or is_inplace(func) or _writes_any(func)):
             flat = converted.at_hand(flat, _global_type())
     key, gpos = scan(func, flat, tree)
+    padded = bool(_padded) and any(_is_padded(flat[i]) for i in gpos)
+    if padded:
+        key = (key, "padded")
+    if torch._C._current_autograd_node() is not None:  # backward decides otherwise
+        key = (key, "backward")
     d = _cache.get(key)
     if d is not None:
         _cache.move_to_end(key)  # least recently used goes first
@@ -583,7 +597,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if type(rule) is StrategyRule:
         if rule is _FALLBACK:
             _warn_fallback(func)
-        return run_strategy(rule, func, flat, tree, key, gpos)
+        return run_strategy(rule, func, flat, tree, key, gpos, padded)
     if observers and observers[-1].custom(func, args):
         watcher = observers.pop()  # it takes the op as a whole: not the ops its rule runs
         try:
@@ -652,6 +666,7 @@ class Decision:
     direct_inplace: bool = False  # writes its first argument, whose layout stays (an optimizer's)
     write_back: bool = False  # in place, but no candidate keeps the layout: re-box, copy in
     view: bool = False  # returns views of its first argument (sbp.ops.writes)
+    pads: bool = False  # partial outputs are splits in disguise (`_padded`)
 
 
 def _per_dim_candidates(func, candidates: list, self_spec: GlobalSpec) -> tuple[list, bool]:
@@ -690,6 +705,32 @@ def _sums_stay_sums(candidate: Strategy, specs: list[GlobalSpec], metas: list) -
     )
 
 
+# Partial sums that are splits in disguise: a split input boxed to a partial sum (zeros
+# around each rank's part; free, so a view merging a split dim into an outer one takes it:
+# a sequence-first batch's (seq, batch) rows) and the partial outputs of ops on them. They
+# are resolved into the split again where needed (a data-parallel batch stays split, its
+# dropout masks those of the fast path's local run), so the pricing that takes a partial
+# sum for a sum needed whole (`_gradient_plan`, `_gathered_again`) leaves them out. Weak:
+# an entry goes with its tensor. Decisions on them are keyed apart (`dispatch`).
+_padded: dict[int, Any] = {}  # id(tensor) -> a weak reference to it
+
+
+def _mark_padded(outputs: list, _tree: Any = None) -> None:
+    for t in outputs:
+        spec = getattr(t, "_spec", None)
+        if spec is not None and id(t) not in _padded and any(s.is_partial for s in spec.nd_sbp):
+            _padded[id(t)] = weakref.ref(t, functools.partial(_unmark, id(t)))
+
+
+def _unmark(key: int, _ref: Any = None) -> None:
+    _padded.pop(key, None)
+
+
+def _is_padded(t: Any) -> bool:
+    ref = _padded.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _gradient_plan(src: GlobalSpec, req: GlobalSpec) -> Any:
     """The plan of the gradient's way back through the conversion `src -> req`, or None
     where it is free. The gradient arrives laid out as `req` (a partial sum's gradient is
@@ -709,13 +750,15 @@ def _gradient_plan(src: GlobalSpec, req: GlobalSpec) -> Any:
 
 
 def _gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
-    """Where a candidate resolves an input's partial sum into a split (a reduce-scatter,
-    cheaper than an all-reduce at this op), the plans that gather its outputs split there
-    back to whole: a value that was a sum of the ranks' parts is, as a rule, needed whole
-    next (the residual stream of a tensor-parallel block), and the split would only move
-    the other half of the all-reduce to a later op. Resolving straight to broadcast then
-    costs as much and runs one collective, not two (sequence parallelism, which wants the
-    split, says so at a module boundary: `sbp.nn.parallelize`)."""
+    """Where a candidate in backward resolves an input's partial sum into a split (a
+    reduce-scatter, cheaper than an all-reduce at this op), the plans that gather its
+    outputs split there back to whole: a gradient that is a sum of the ranks' parts flows
+    on to the gradients of whole forward values (the residual stream of a
+    tensor-parallel block), and the split would only move the other half of the
+    all-reduce to a later op. Resolving straight to broadcast then costs as much and runs
+    one collective, not two. Forward needs no such guess: the gradient's own conversion
+    is priced (`_gradient_plan`), and a partial there may be a split in disguise (a view
+    merging a split dim into an outer one), which a data-parallel batch keeps split."""
     dims = {
         h
         for s, r in zip(specs, req, strict=True)
@@ -740,7 +783,13 @@ def _gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tup
 
 
 def _decide(
-    rule: StrategyRule, func, args, kwargs, specs: list[GlobalSpec], grads: Sequence[bool]
+    rule: StrategyRule,
+    func,
+    args,
+    kwargs,
+    specs: list[GlobalSpec],
+    grads: Sequence[bool],
+    padded: bool = False,
 ) -> Decision:
     """The cheapest candidate: the conversions its inputs need, and for the inputs that
     require grad, the conversions their gradients will need on the way back."""
@@ -749,6 +798,7 @@ def _decide(
     candidates = [c for c in rule.candidates(call) if _sums_stay_sums(c, specs, metas)]
     per_dim, write_back = _per_dim_candidates(func, candidates, specs[0])
     P = specs[0].placement
+    backward = torch._C._current_autograd_node() is not None  # (noted in the cache key)
     best, best_cost = None, None
     for combo in itertools.product(*per_dim):
         req = tuple(
@@ -758,15 +808,21 @@ def _decide(
         plans += [
             p
             for s, r, g in zip(specs, req, grads, strict=True)
-            if g and s != r and (p := _gradient_plan(s, r)) is not None
+            if g and not padded and s != r and (p := _gradient_plan(s, r)) is not None
         ]
-        plans += _gathered_again(specs, req, metas, combo)
+        if backward and not padded:
+            plans += _gathered_again(specs, req, metas, combo)
         cost = (sum(p.cost for p in plans), sum(len(p.steps) for p in plans))
         if best_cost is None or cost < best_cost:
             best, best_cost = (combo, req), cost
     if best is None:
         raise AssertionError(f"{func}: the rule gave no candidate")
     combo, req = best
+    pads = padded or any(
+        a.is_split and b.is_partial
+        for s, r in zip(specs, req, strict=True)
+        for a, b in zip(s.nd_sbp, r.nd_sbp, strict=True)
+    )
     outs, k = [], 0
     for m in metas:
         if m is None:
@@ -790,6 +846,7 @@ def _decide(
         and rule.post is None
         and rule.check is None
         and rule.local is None
+        and not pads
         and (not is_inplace(func) or outs[0] == specs[0])
         and tuple(specs) == req
         and getattr(func, "_pyobj_dispatcher", None) is None
@@ -809,31 +866,38 @@ def _decide(
         inplace,
         write_back,
         is_view(func),
+        pads,
     )
 
 
-def decision_for(rule: StrategyRule, func, args, kwargs, key, specs, grads) -> Decision:
+def decision_for(
+    rule: StrategyRule, func, args, kwargs, key, specs, grads, padded=False
+) -> Decision:
     d = _cache.get(key)
     if d is None:
-        d = _decide(rule, func, args, kwargs, specs, grads)
+        d = _decide(rule, func, args, kwargs, specs, grads, padded)
         _cache[key] = d
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)  # the least recently used (hits move to the end)
     return d
 
 
-def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
+def run_strategy(
+    rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list, padded=False
+) -> Any:
     """Run `func` by its strategy rule: decide (cached), box the inputs that must move (a
     conversion kept from an earlier use of the same value is taken instead:
     `sbp.ops.converted`), run on the locals, wrap the outputs. While a trace or strict mode
     watches (`sbp.trace`), the collectives inside are noted as `func`'s."""
     if stats.watching():
         with stats.cause(str(func), implicit=True):
-            return _run_strategy(rule, func, flat, tree, key, gpos)
-    return _run_strategy(rule, func, flat, tree, key, gpos)
+            return _run_strategy(rule, func, flat, tree, key, gpos, padded)
+    return _run_strategy(rule, func, flat, tree, key, gpos, padded)
 
 
-def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
+def _run_strategy(
+    rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list, padded: bool
+) -> Any:
     GlobalTensor, box = _tensor_helpers()
 
     d = _cache.get(key)
@@ -844,7 +908,7 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
         try:
             specs = [flat[i]._spec for i in gpos]
             grads = [flat[i].requires_grad for i in gpos]
-            d = decision_for(rule, func, args, kwargs, key, specs, grads)
+            d = decision_for(rule, func, args, kwargs, key, specs, grads, padded)
         except NoMeta:
             return run_data_dependent(func, flat, tree, gpos)
     checked = None if rule.check is None else rule.check(func, *unflatten(flat, tree))
@@ -904,9 +968,14 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
             assign(self_, local_flat[gpos[0]], d.out_specs[0])
         return written(self_)  # (the op wrote into its local tensor: the layout is the input's)
     if not d.view:
-        return unflatten_outputs(_wrapped(GlobalTensor, leaves, d.out_specs), d.out_tree)
+        wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
+        if d.pads:
+            _mark_padded(wrapped)
+        return unflatten_outputs(wrapped, d.out_tree)
     with view_wrappers(flat[gpos[0]]):
         wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
+    if d.pads:
+        _mark_padded(wrapped)
     args, kwargs = unflatten(flat, tree)
     mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
