@@ -23,15 +23,7 @@ from sbp.data_parallel.by_name import (
     _within,
 )
 from sbp.data_parallel.check import _called_by_name, _Check, _Depth, _WholeCalls
-from sbp.data_parallel.inputs import (
-    _PLAIN_VALUES,
-    _batch_sizes,
-    _input_at,
-    _is_constant,
-    _map_globals,
-    _NotDataParallel,
-    _numbers_blanked,
-)
+from sbp.data_parallel.inputs import _PLAIN_VALUES, Inputs, _numbers_blanked
 from sbp.data_parallel.layout import Layout, _share_spec
 from sbp.data_parallel.local_run import _local_forward, _LocalOps, _Run
 from sbp.data_parallel.slots import SUBMODULES_SET, _EnterLocal, _Slots, _Undo
@@ -154,7 +146,8 @@ class DataParallel:
             return self._per_op(args, kwargs, backend)
         if not self._params_broadcast():  # (first: it finds the BatchNorm and dropout modules)
             return self._per_op(args, kwargs, backend)
-        key, data_nd = self._layout_key(args, kwargs)
+        inputs = Inputs(args, kwargs, self.placement)
+        key, data_nd = self._layout_key(inputs)
         if key is None:
             return self._per_op(args, kwargs, backend)
         why = self._per_op_reason()
@@ -164,7 +157,7 @@ class DataParallel:
         layout = self._layouts.get(key)
         if layout is None:
             self._note_new_numbers(key)
-            layout = self._layouts[key] = self._check(args, kwargs, data_nd)
+            layout = self._layouts[key] = self._check(inputs, data_nd)
             if len(self._layouts) > LAYOUTS:
                 self._layouts.popitem(last=False)
             if not layout.ok:
@@ -178,12 +171,12 @@ class DataParallel:
         ):
             return self._per_op(args, kwargs, backend)
         for path, limit in layout.index_inputs:  # (as the ops checked them op by op)
-            limit.check(_input_at(args, kwargs, path))
+            limit.check(inputs.at(path))
         self.last_path = "fast"
         if layout.tried:
-            return self._run_local(args, kwargs, layout, data_nd, backend)
+            return self._run_local(inputs, layout, data_nd, backend)
         try:
-            return self._first_local_run(args, kwargs, layout, data_nd, backend)
+            return self._first_local_run(inputs, layout, data_nd, backend)
         except BaseException:
             if layout.ok:  # (raised before the verdict: checked again, with its own batch)
                 self._layouts.pop(key, None)
@@ -212,7 +205,7 @@ class DataParallel:
                 stacklevel=CALLER,
             )
 
-    def _first_local_run(self, args, kwargs, layout: Layout, data_nd: tuple, backend=None):
+    def _first_local_run(self, inputs: Inputs, layout: Layout, data_nd: tuple, backend=None):
         """A layout's first local run, compared with the checking pass (its outputs, this
         rank's parts, and the buffers it left) and undone where they differ: the module then
         runs op by op, as for a failed check. The check cannot see a forward that reads the
@@ -225,14 +218,14 @@ class DataParallel:
         must not meet them: the ranks first learn through the store that all of them left
         the run (`_left_together`)."""
         expected, layout.expected = layout.expected, None  # (raised: forgotten, see `call`)
-        undo = _Undo(self._slots.buffers, args, kwargs)
+        undo = _Undo(self._slots.buffers, inputs.globals)
         eager = self._eager(backend)
         grad = torch.is_grad_enabled()
         watch = recomputation.Recomputation() if eager and grad else None
         why, error, statistics = "", None, []
         try:
             with watch or contextlib.nullcontext():
-                out = self._run_local(args, kwargs, layout, data_nd, backend, statistics)
+                out = self._run_local(inputs, layout, data_nd, backend, statistics)
         except RAISED_AS_THEY_ARE:
             raise
         except Exception as e:
@@ -262,7 +255,7 @@ class DataParallel:
             f"sbp: {type(self._module_ref).__name__} runs op by op: {layout.reason}",
             stacklevel=CALLER,
         )
-        return self._per_op(args, kwargs, backend)
+        return self._per_op(inputs.args, inputs.kwargs, backend)
 
     def _left_together(self, error: Exception | None) -> None:
         """Return once every rank of the placement has left the first local run, asked
@@ -314,39 +307,15 @@ class DataParallel:
             return "while gradient checkpointing is on (it runs the forward again in backward)"
         return None
 
-    def _layout_key(self, args, kwargs) -> tuple[tuple | None, tuple]:
+    def _layout_key(self, inputs: Inputs) -> tuple[tuple | None, tuple]:
         """A hashable key of the call's layout, or None when it is not a data-parallel call:
-        global inputs on the placement, split or broadcast, others plain values. The
-        hierarchy dims along which some input is split on dim 0 hold the batch; an input
+        global inputs on the placement, split or broadcast, others plain values (`Inputs`).
+        The hierarchy dims along which some input is split on dim 0 hold the batch; an input
         split on another dim is split along those only (a recurrent state passed back in is
         split on its dim 1)."""
-        # (each BatchNorm and dropout module's own mode: one may differ from the model's)
-        modes = tuple(m.training for m in self._special)
-        key: list = [self._module_ref.training, modes, torch.is_grad_enabled(), tuple(kwargs)]
-        data: set[int] = set()
-        other: set[int] = set()
-
-        def key_of(a):
-            if isinstance(a, GlobalTensor):
-                spec = a._spec
-                if spec.placement != self.placement:
-                    raise _NotDataParallel
-                for h, s in enumerate(spec.nd_sbp):
-                    if s.is_split:
-                        (data if s.dim == 0 else other).add(h)
-                    elif not s.is_broadcast:
-                        raise _NotDataParallel
-                return spec
-            if type(a) is tuple and not _is_constant(a):
-                return (tuple, tuple(map(key_of, a)))
-            if not _is_constant(a):  # (a local tensor, a KV cache the forward writes into)
-                raise _NotDataParallel
-            return (type(a), a)
-
-        try:
-            key.extend(map(key_of, (*args, *kwargs.values())))
-        except _NotDataParallel:
+        if inputs.key is None:
             return None, ()
+        data, other = inputs.data, inputs.other
         if not data or not other <= data:
             if other:  # (a sequence-first batch, split on dim 1: worth saying, it is slow)
                 self._warn_once(
@@ -356,8 +325,17 @@ class DataParallel:
                     stacklevel=CALLER + 1,  # (from a helper of call)
                 )
             return None, ()
+        # (each BatchNorm and dropout module's own mode: one may differ from the model's)
+        modes = tuple(m.training for m in self._special)
+        key = (
+            self._module_ref.training,
+            modes,
+            torch.is_grad_enabled(),
+            tuple(inputs.kwargs),
+            *inputs.key,
+        )
         data_nd = tuple(split(0) if h in data else broadcast for h in range(self.placement.ndim))
-        return tuple(key), data_nd
+        return key, data_nd
 
     def _params_broadcast(self) -> bool:
         """Are the module's parameters and buffers still the broadcast ones seen last time?"""
@@ -397,11 +375,11 @@ class DataParallel:
         return True
 
     # ------------------------------------------------------------ checking pass
-    def _check(self, args, kwargs, data_nd) -> Layout:
+    def _check(self, inputs: Inputs, data_nd) -> Layout:
         """Run the module op by op, watching every op, without lasting effects."""
         buffers = self._slots.buffers
-        undo = _Undo(buffers, args, kwargs)
-        sizes = _batch_sizes(args, kwargs, data_nd)
+        undo = _Undo(buffers, inputs.globals)
+        sizes = inputs.batch_sizes(data_nd)
         empty_part = any(size < len(self.group(data_nd)) for size in sizes)
         check = _Check(data_nd, sizes[0] if sizes and not empty_part else None)
         left = None  # the buffers as the forward left them
@@ -412,7 +390,7 @@ class DataParallel:
             by_name = _by_name_replaced(_called_by_name(check, modes))
             row_wise = row_wise_calls.unjudged(check, sizes[0] if sizes else None)
             with torch.no_grad(), counted, by_name, row_wise, _WholeCalls(check):
-                out = self._original(*args, **kwargs)
+                out = self._original(*inputs.args, **inputs.kwargs)
             left = [b._local.clone() for b in buffers]
         finally:
             registry.observers.remove(check)
@@ -442,7 +420,7 @@ class DataParallel:
             by_name_dropouts=check.by_name_dropouts,
             losses=check.losses,
             in_modules=not check.outside_modules,
-            index_inputs=check.indexed_inputs(args, kwargs),
+            index_inputs=check.indexed_inputs(inputs.globals),
             empty_part=empty_part,
         )
 
@@ -476,7 +454,7 @@ class DataParallel:
         self._reducer.forward_started()
 
     def _run_local(
-        self, args, kwargs, layout: Layout, data_nd: tuple, backend=None, statistics=None
+        self, inputs: Inputs, layout: Layout, data_nd: tuple, backend=None, statistics=None
     ):
         """Run the forward on local tensors. Per-shard running statistics are then
         broadcast from the first rank, or, given a `statistics` list, put in it (a first
@@ -494,8 +472,7 @@ class DataParallel:
             # tensor's sizes static, and the local graph's batch size may become dynamic)
             return a._local if compiled is None else a._local.detach()
 
-        largs = [_map_globals(a, enter) for a in args]
-        lkwargs = {k: _map_globals(v, enter) for k, v in kwargs.items()}
+        largs, lkwargs = inputs.mapped(enter)
         bn_calls = len(layout.bn_counts)  # the BatchNorm calls the run intercepts
         if compiled is not None:
             # the modules' own forwards, traced: per-shard BatchNorm, torch's dropout

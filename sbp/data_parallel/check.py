@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from sbp.data_parallel.by_name import _ATTENTION, _DROPOUT, _unrouted
-from sbp.data_parallel.inputs import _all_of, _global_inputs
+from sbp.data_parallel.inputs import _all_of
 from sbp.layout import GlobalSpec
 from sbp.nn import torch_attention, torch_embedding_bag, torch_recurrent
 from sbp.nn.batch_rows import moved_to
@@ -112,12 +112,12 @@ class _Check:
             self._fail(f"{func} adjusts its local arguments")
         self._no_partials(func, d.out_specs, d.in_specs)
 
-    def indexed_inputs(self, args: tuple, kwargs: dict) -> list:
+    def indexed_inputs(self, inputs: list) -> list:
         """(position or keyword, limit) of each module input that an op checked as an index
         tensor, itself or a view of all of it (`ids.view(-1, n)`): the local run checks the
         input's known range against the limit on every call, as the op did here, so that a
-        bad index raises on every rank, not in one rank's kernel alone."""
-        inputs = list(_global_inputs(args, kwargs))
+        bad index raises on every rank, not in one rank's kernel alone. `inputs`: the module's
+        global inputs, (path, tensor) (`Inputs.globals`)."""
         found = []
         for limit in self.index_limits:
             t = limit.index._local

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from sbp import gradients, random
-from sbp.data_parallel.inputs import _global_inputs
 from sbp.layout import GlobalSpec
 from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, watch
 
@@ -24,7 +23,8 @@ class _Undo:
     running statistics), global inputs the forward writes into (`x.sub_(1)`), and sbp's
     random stream (dropout)."""
 
-    def __init__(self, buffers: list, args: tuple, kwargs: dict):
+    def __init__(self, buffers: list, inputs: list):
+        """`inputs`: the call's global inputs, (path, tensor) (`Inputs.globals`)."""
         self.buffers = buffers
         self.saved = [b._local.clone() for b in buffers]
         # (a global tensor's version counts writes through sbp (the checking pass), its
@@ -32,7 +32,7 @@ class _Undo:
         # can be undone: none is allowed)
         self.inputs = [
             (a, (a._version, a._local._version), a._local.clone())
-            for _, a in _global_inputs(args, kwargs)
+            for _, a in inputs
             if not a.is_inference()
         ]
         self.rng = dict(random._state)
