@@ -11,16 +11,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from sbp.data_parallel import families
 from sbp.data_parallel.by_name import _ATTENTION, _DROPOUT, _unrouted
 from sbp.data_parallel.inputs import _all_of
 from sbp.layout import GlobalSpec
-from sbp.nn import torch_attention, torch_embedding_bag, torch_recurrent
 from sbp.nn.batch_rows import moved_to
-from sbp.ops import batch_norm, registry
+from sbp.ops import registry
 from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy
 from sbp.ops.decomposed import composite_definition
-from sbp.ops.nn import nll_layout
 from sbp.ops.out_variants import out_variant
 from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor
@@ -34,14 +33,6 @@ class _Check:
     # (a dtype or device conversion keeps the layout: autocast and `.float()` convert; a new
     # tensor of the input's shape takes its layout, and one of another shape is a constant)
     SAME_LAYOUT = (same_layout, like, new_alloc, to_copy)
-    # torch picks cuDNN's (MIOpen's) BatchNorm for a tensor on the GPU
-    BATCH_NORMS = (
-        aten.native_batch_norm.default,
-        aten.cudnn_batch_norm.default,
-        aten.miopen_batch_norm.default,
-    )
-    SHARD_BATCH_NORM = torch.ops.sbp.shard_batch_norm.default  # batch_norm="local", op by op
-    DROPOUT = (aten.native_dropout.default, aten.bernoulli_.float)
     # Functions of their inputs' values alone: on broadcast inputs (which the checked ops
     # computed from broadcast values only) the local run gets the same result on every rank,
     # as BatchNorm's momentum=None reading num_batches_tracked, or transformers' masks
@@ -54,8 +45,6 @@ class _Check:
         aten.linalg_vector_norm.default,
         aten.norm.ScalarOpt_dim,
     )
-    # F.cross_entropy and F.nll_loss of the batch (the local run computes the logical mean)
-    LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
     def __init__(self, data_nd: tuple, batch: int | None = None):
         """`batch`: the logical batch size where every part of it holds samples (see
@@ -162,29 +151,14 @@ class _Check:
             return  # its definition are watched, as autograd's dispatch would have run them)
         if func in self.OF_BROADCAST_VALUES and is_all_broadcast(args[0].sbp):
             return True  # (not the ops sbp's rule runs: the local run calls torch's)
-        if func in self.LOSSES:
-            self._loss(func, *args)
-            return True
-        if (
-            func not in self.BATCH_NORMS
-            and func is not self.SHARD_BATCH_NORM
-            and func not in self.DROPOUT
-        ):
+        family = families.JUDGES.get(func)
+        if family is None:
             self._fail(f"{func} has its own global semantics")
-            return
-        x = args[0]
-        if self.depth == 0 and not (func in self.DROPOUT and self.attention_depth):
-            self.outside_modules = True
-        if tuple(x.sbp) != self.data_nd and not (func in self.DROPOUT and self._batch_moved(x)):
-            self._fail(f"{func} runs on a tensor laid out as {x.sbp}, not as the batch", True)
-        elif (func in self.BATCH_NORMS and args[5]) or func is self.SHARD_BATCH_NORM:
-            self.bn_counts.append(batch_norm._count(x))
-        elif func in self.DROPOUT:
-            self.dropouts += 1
-            self.by_name_dropouts += bool(self.attention_depth)
+            return None
+        return family.judge(self, func, args)
 
     def whole_call(self, kind, func, args: tuple, kwargs: dict) -> Any:
-        """A torch function that is row-wise in the batch (`_WHOLE_CALLS`: multi-head
+        """A torch function that is row-wise in the batch (`families.WHOLE_CALLS`: multi-head
         attention, recurrent layers, embedding bags), taken as a whole where its tensors
         are laid out as the batch: nothing inside is judged; else its ops are, and a
         failure among them says why the whole was not taken."""
@@ -236,18 +210,6 @@ class _Check:
             return args, kwargs
         return tree_map(as_batch, (args, kwargs))
 
-    def _batch_moved(self, x: GlobalTensor) -> bool:
-        """Is `x` laid out as the batch moved to another dim (`x.transpose(0, 1)` of a
-        sequence-first model, or the `(1, N, L, E)` torch's 3-d attention makes)? Nothing
-        moved before (else the check failed), so every split is the batch's, and `x`'s local
-        tensor is the local run's; a dropout's seed follows the split hierarchy dims, not the
-        tensor dim, so the local run draws the same mask there."""
-        dims = {s.dim for s in x.sbp if s.is_split}
-        return len(dims) == 1 and all(
-            s.is_split == d.is_split and not s.is_partial
-            for s, d in zip(x.sbp, self.data_nd, strict=True)
-        )
-
     def write(self, g: GlobalTensor, items: list, value: Any) -> None:
         """`g[items] = value`, written in logical coordinates: the local run writes the same
         index into its local tensor, which is exact where `g` is taken whole along every dim
@@ -265,22 +227,6 @@ class _Check:
         if any(s.is_partial for s in g.sbp) or not (whole and fits):
             self._fail(f"`g[index] = value` writes {shown} into a tensor laid out as {g.sbp}")
 
-    def _loss(self, func, x, target, weight, reduction, ignore_index) -> None:
-        """A loss the local run computes as the rule does: scores and labels laid out as the
-        batch, whole class weights (that need no gradient, as torch requires)."""
-        layout = nll_layout(x, target, weight, reduction)
-        if (
-            tuple(x.sbp) != self.data_nd
-            or layout.x != x._spec
-            or layout.target != target._spec
-            or (weight is not None and (layout.weight != weight._spec or weight.requires_grad))
-        ):
-            self._fail(f"{func} runs on tensors not laid out as the batch")
-            return
-        self.losses += 1
-        if self.loss_depth == 0:
-            self.outside_modules = True
-
 
 def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
     """Do `spec` and `need` differ only by split against broadcast on hierarchy dims of one
@@ -293,15 +239,6 @@ def _one_rank_alike(spec: GlobalSpec, need: GlobalSpec) -> bool:
         a == b or (n == 1 and not a.is_partial and not b.is_partial)
         for a, b, n in zip(spec.nd_sbp, need.nd_sbp, sizes, strict=True)
     )
-
-
-# torch's functions that are row-wise in the batch, each with the module that judges a call
-# of it whole and runs it (`why_not_row_wise`, `run_whole`)
-_WHOLE_CALLS = {
-    func: kind
-    for kind in (torch_attention, torch_recurrent, torch_embedding_bag)
-    for func in kind.CALLS
-}
 
 
 # new tensors of one value: as methods, or torch's factories under global_mode
@@ -322,7 +259,7 @@ class _WholeCalls(TorchFunctionMode):
     - `F.scaled_dot_product_attention` with dropout (`dropout_p`) off the CPU draws its
       masks inside torch's fused kernel, where the local run cannot draw the op-by-op
       path's masks, so the module runs op by op. On the CPU torch computes it as a
-      composite whose `bernoulli_` the check sees (`_Run.attention`);
+      composite whose `bernoulli_` the check sees (`families.sdpa`);
     - `F.multi_head_attention_forward`, torch's recurrent functions (`torch.lstm`, ...) and
       `F.embedding_bag` are taken as a whole (`_Check.whole_call`);
     - a fill is noted (`_Check.fill_made`)."""
@@ -333,11 +270,10 @@ class _WholeCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _unrouted(func) is _ATTENTION:
-            p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            if p and args[0].device.type != "cpu":
-                self.check._fail("attention with dropout (dropout_p) draws masks in torch's kernel")
-        kind = _WHOLE_CALLS.get(func)
+        watched = families.WATCHES.get(_unrouted(func))
+        if watched is not None:
+            watched.watch(self.check, args, kwargs)
+        kind = families.WHOLE_CALLS.get(func)
         if kind is not None:
             return self.check.whole_call(kind, func, args, kwargs)
         out = func(*args, **kwargs)
