@@ -8,13 +8,14 @@ import copy
 import itertools
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from sbp import comm, env, gradients, local_constants
 from sbp.comm import arrival
+from sbp.data_parallel import torch_compile
+from sbp.data_parallel.buffers import BufferBroadcast
 from sbp.data_parallel.by_name import (
     BATCH_NORMS,
     SPECIAL_MODULES,
@@ -26,6 +27,7 @@ from sbp.data_parallel.check import _called_by_name, _Check, _Depth, _WholeCalls
 from sbp.data_parallel.inputs import _PLAIN_VALUES, Inputs, _numbers_blanked
 from sbp.data_parallel.layout import Layout, _share_spec
 from sbp.data_parallel.local_run import _local_forward, _LocalOps, _Run
+from sbp.data_parallel.reducer import Reducer
 from sbp.data_parallel.slots import SUBMODULES_SET, _EnterLocal, _Slots, _Undo
 from sbp.errors import CommTimeoutError, IndexRangeError, LabelRangeError, MetaMismatchError
 from sbp.layout import GlobalSpec
@@ -98,9 +100,9 @@ class DataParallel:
         self._recurrent: list[torch.nn.RNNBase] = []  # LSTM, GRU and RNN submodules
         self._checkpointable: list[torch.nn.Module] = []  # (attribute gradient_checkpointing)
         self._dropouts: list[torch.nn.Module] = []  # the dropout ones
-        self._reducer: gradients.Reducer | None = None
+        self._reducer: Reducer | None = None
         self._reducer_key: tuple | None = None
-        self._buffers_in_flight: tuple | None = None  # (Pending, buffers): _broadcast_buffers
+        self._buffers = BufferBroadcast()  # per-shard statistics in flight: _broadcast_buffers
         self.shard_batch_norms: list = []  # batch_norm="local": modules with the per-shard forward
         # batch_norm="global" in a compiled local forward: modules with the logical forward,
         # installed for `_special` (the modules found with it), and their ranks
@@ -167,7 +169,8 @@ class DataParallel:
         if layout.empty_part:
             backend = None
         if not layout.ok or (
-            backend is not None and self._local_compile_declined(layout, data_nd) is not None
+            backend is not None
+            and torch_compile.local_compile_declined(self, layout, data_nd) is not None
         ):
             return self._per_op(args, kwargs, backend)
         for path, limit in layout.index_inputs:  # (as the ops checked them op by op)
@@ -288,7 +291,11 @@ class DataParallel:
 
     def _per_op(self, args, kwargs, backend=None):
         self.last_path = "per-op"
-        forward = self._original if backend is None else self._compiled_with({"backend": backend})
+        forward = (
+            self._original
+            if backend is None
+            else torch_compile.compiled_with(self, {"backend": backend})
+        )
         out = forward(*args, **kwargs)
         shard_batch_norm.sync_statistics(self.shard_batch_norms, self.placement)
         return out
@@ -441,7 +448,7 @@ class DataParallel:
         key = (slots.version, data_nd)
         if self._reducer_key != key:
             trained = [p for p in slots.params if p.requires_grad]
-            self._reducer = gradients.Reducer(
+            self._reducer = Reducer(
                 trained,
                 [slots.leaf(p) for p in trained],
                 self.group(data_nd),
@@ -462,7 +469,7 @@ class DataParallel:
         grad = torch.is_grad_enabled()
         self._prepare_reducer(data_nd)
         run = _Run(self, layout, data_nd)
-        compiled = self._compiled_forward(run, layout, backend)
+        compiled = torch_compile.compiled_forward(self, run, layout, backend)
 
         def enter(a):
             read_now(a)  # (a copied view of a base written since: taken again)
@@ -480,7 +487,7 @@ class DataParallel:
             if len(run.group) > 1 and self.batch_norm == "local":
                 run.to_sync = [t._local for t in shard_batch_norm.running_statistics(self._special)]
             elif len(run.group) > 1 and layout.bn_counts:
-                local_ops = self._logical_batch_norm(run.group)
+                local_ops = torch_compile.logical_batch_norm(self, run.group)
         elif not (layout.bn_counts or layout.dropouts or layout.losses):
             # no train-mode BatchNorm, dropout or loss (whatever the module's own mode says)
             forward, local_ops = self._original, contextlib.nullcontext()
@@ -524,93 +531,6 @@ class DataParallel:
         if not backward_follows:
             self.settle_buffers()
 
-    def _compiled_forward(self, run: _Run, layout: Layout, backend=None):
-        """The module's forward compiled for local tensors (`data_parallel(module,
-        compile=...)`, or the backend of a torch.compile'd model), or None where this call
-        runs it eagerly: compiling it off, or where the eager run must intercept
-        BatchNorm calls (`_local_compile_declined`) or compute a loss inside the forward
-        over the logical batch (a compiled model that returns its loss and more could not
-        run op by op either: torch's backward makes the unused outputs' zero gradients
-        plain tensors, which AOT autograd refuses for global outputs)."""
-        options = self.compile_options
-        if layout.empty_part:
-            return None
-        if options is None:
-            if backend is None:
-                return None
-            options = {"backend": backend}
-        # (a call from torch.compile was checked in `call`, which ran it op by op if declined)
-        why = None if backend is not None else self._local_compile_declined(layout, run.data_nd)
-        if why is None and layout.losses:
-            why = "it computes a loss over the logical batch"
-        if why is not None:
-            if not self._compile_declined:
-                self._compile_declined = True
-                warnings.warn(
-                    f"sbp: {type(self._module_ref).__name__} runs its local forward eagerly, "
-                    f"not compiled: {why}",
-                    stacklevel=4,
-                )
-            return None
-        return self._compiled_with(options)
-
-    def _local_compile_declined(self, layout: Layout, data_nd: tuple) -> str | None:
-        """Why the local forward cannot be compiled for this layout, or None: F.batch_norm
-        outside BatchNorm modules, which the eager run intercepts per call, or logical
-        BatchNorm over several ranks (the ranks splitting the batch, by `data_nd`) in a
-        BatchNorm module with a forward of its own (`compiled_batch_norm` replaces
-        torch's)."""
-        # (what the checking pass recorded, not module.training: a BatchNorm submodule
-        # may be in train mode inside a model in eval mode, as when adapting statistics)
-        if not layout.bn_counts:
-            return None
-        if not layout.in_modules:
-            return "F.batch_norm called outside BatchNorm modules"
-        if self.batch_norm == "global" and len(self.group(data_nd)) > 1:
-            if not all(
-                shard_batch_norm.torch_forward(m)
-                for m in self._special
-                if isinstance(m, BATCH_NORMS)
-            ):
-                return "logical BatchNorm over several ranks in a module with its own forward"
-        return None
-
-    @contextlib.contextmanager
-    def _logical_batch_norm(self, group: tuple[int, ...]) -> Iterator[None]:
-        """While a compiled local forward runs: its BatchNorm modules compute the logical
-        batch's statistics over `group` (`compiled_batch_norm`)."""
-        if self._logical_for is not self._special:  # (installed for the modules found now)
-            compiled_batch_norm.remove(self.logical_batch_norms)
-            self.logical_batch_norms = compiled_batch_norm.install(
-                self._module_ref, self._bn_groups
-            )
-            self._logical_for = self._special
-        groups = self._bn_groups
-        groups.ranks, groups.index = group, group.index(env.get_rank())
-        try:
-            yield
-        finally:
-            groups.ranks = None
-
-    def _compiled_with(self, options: dict) -> Callable:
-        """The module's own forward under torch.compile with `options`, made once per
-        options: it compiles for local tensors (the fast path) and for global ones (op by
-        op) alike, each with its own guards. A few are kept: a model under torch.compile
-        with `data_parallel(compile=...)` too may switch between two."""
-        for known, compiled in self._compiled:
-            if known == options:
-                return compiled
-        original = self._original
-
-        # (a frame of sbp's own: torch.compile of a torch.nn method compiles a wrapper
-        # frame shared by every such method, and shares its recompile limit with them)
-        def forward(*args, **kwargs):
-            return original(*args, **kwargs)
-
-        compiled = torch.compile(forward, **options)
-        self._compiled = [*self._compiled[-3:], (dict(options), compiled)]
-        return compiled
-
     def local_leaves(self, tensors: list) -> list:
         """`tensors` with each of the module's parameters replaced by its local leaf, where
         the local graph accumulates its gradient (a loss's `backward(inputs=...)`)."""
@@ -631,33 +551,12 @@ class DataParallel:
         return cached[1]
 
     def _broadcast_buffers(self, tensors: list[torch.Tensor], data_nd: tuple) -> None:
-        """Per-shard statistics differ per rank: keep the first rank's, as torch DDP does.
-
-        When a backward follows, the copy runs while it does: it is settled
-        (`settle_buffers`) when the gradients are, or at the module's next call, state_dict
-        or load_state_dict, whichever comes first. Until then another rank's running
-        statistics are still its own shard's (torch DDP leaves them so until its next
-        forward)."""
-        self.settle_buffers()
-        group = self.group(data_nd)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._buffers_in_flight = (comm.broadcast_async(flat, group[0], group), tensors)
+        """Per-shard statistics differ per rank: keep the first rank's (`BufferBroadcast`)."""
+        self._buffers.start(tensors, self.group(data_nd))
 
     def settle_buffers(self) -> None:
-        """Wait for the running statistics' broadcast and write them into the buffers.
-
-        Train-mode BatchNorm's backward never reads the running statistics, so overwriting
-        them keeps their version (autograd would otherwise refuse the backward)."""
-        if self._buffers_in_flight is None:
-            return
-        pending, tensors = self._buffers_in_flight
-        self._buffers_in_flight = None
-        flat = pending.wait()
-        offset = 0
-        for t in tensors:
-            with torch.autograd._unsafe_preserve_version_counter(t):
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        """Write the running statistics being broadcast into the buffers, if any."""
+        self._buffers.settle()
 
     def _wrap(self, out, layout: Layout, data_nd: tuple, grad: bool):
         leaves, put_back = output_leaves(out)

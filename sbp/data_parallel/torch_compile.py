@@ -1,17 +1,24 @@
 """torch.compile glue: a data-parallel model's call leaving a compiled graph to run the
-fast path, whose local forward the same backend compiles."""
+fast path, whose local forward the same backend compiles; the local forward compiled
+(`data_parallel(compile=...)`, or a compiled model's backend), with logical BatchNorm."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sbp.nn import shard_batch_norm
+from sbp import env
+from sbp.data_parallel.by_name import BATCH_NORMS
+from sbp.nn import compiled_batch_norm, shard_batch_norm
 
 if TYPE_CHECKING:
     from sbp.data_parallel.call import DataParallel
+    from sbp.data_parallel.layout import Layout
+    from sbp.data_parallel.local_run import _Run
 
 # Backends of the torch.compile calls that ran a model with the fast path; a trace takes an
 # index into this list as a constant (`_under_torch_compile`). Each torch.compile call makes
@@ -141,3 +148,93 @@ def _call_from_compiled(fast: DataParallel, args: tuple, kwargs: dict, backend: 
     frames it runs are not traced."""
     fast.backend = backend
     return fast.call(args, kwargs, _COMPILE_BACKENDS[backend])
+
+
+# ---------------------------------------------------------------- the local forward compiled
+
+
+def compiled_forward(fast: DataParallel, run: _Run, layout: Layout, backend=None):
+    """The module's forward compiled for local tensors (`data_parallel(module,
+    compile=...)`, or the backend of a torch.compile'd model), or None where this call
+    runs it eagerly: compiling it off, or where the eager run must intercept
+    BatchNorm calls (`local_compile_declined`) or compute a loss inside the forward
+    over the logical batch (a compiled model that returns its loss and more could not
+    run op by op either: torch's backward makes the unused outputs' zero gradients
+    plain tensors, which AOT autograd refuses for global outputs)."""
+    options = fast.compile_options
+    if layout.empty_part:
+        return None
+    if options is None:
+        if backend is None:
+            return None
+        options = {"backend": backend}
+    # (a call from torch.compile was checked in `call`, which ran it op by op if declined)
+    why = None if backend is not None else local_compile_declined(fast, layout, run.data_nd)
+    if why is None and layout.losses:
+        why = "it computes a loss over the logical batch"
+    if why is not None:
+        if not fast._compile_declined:
+            fast._compile_declined = True
+            warnings.warn(
+                f"sbp: {type(fast._module_ref).__name__} runs its local forward eagerly, "
+                f"not compiled: {why}",
+                stacklevel=4,
+            )
+        return None
+    return compiled_with(fast, options)
+
+
+def local_compile_declined(fast: DataParallel, layout: Layout, data_nd: tuple) -> str | None:
+    """Why the local forward cannot be compiled for this layout, or None: F.batch_norm
+    outside BatchNorm modules, which the eager run intercepts per call, or logical
+    BatchNorm over several ranks (the ranks splitting the batch, by `data_nd`) in a
+    BatchNorm module with a forward of its own (`compiled_batch_norm` replaces
+    torch's)."""
+    # (what the checking pass recorded, not module.training: a BatchNorm submodule
+    # may be in train mode inside a model in eval mode, as when adapting statistics)
+    if not layout.bn_counts:
+        return None
+    if not layout.in_modules:
+        return "F.batch_norm called outside BatchNorm modules"
+    if fast.batch_norm == "global" and len(fast.group(data_nd)) > 1:
+        if not all(
+            shard_batch_norm.torch_forward(m) for m in fast._special if isinstance(m, BATCH_NORMS)
+        ):
+            return "logical BatchNorm over several ranks in a module with its own forward"
+    return None
+
+
+@contextlib.contextmanager
+def logical_batch_norm(fast: DataParallel, group: tuple[int, ...]) -> Iterator[None]:
+    """While a compiled local forward runs: its BatchNorm modules compute the logical
+    batch's statistics over `group` (`compiled_batch_norm`)."""
+    if fast._logical_for is not fast._special:  # (installed for the modules found now)
+        compiled_batch_norm.remove(fast.logical_batch_norms)
+        fast.logical_batch_norms = compiled_batch_norm.install(fast._module_ref, fast._bn_groups)
+        fast._logical_for = fast._special
+    groups = fast._bn_groups
+    groups.ranks, groups.index = group, group.index(env.get_rank())
+    try:
+        yield
+    finally:
+        groups.ranks = None
+
+
+def compiled_with(fast: DataParallel, options: dict) -> Callable:
+    """The module's own forward under torch.compile with `options`, made once per
+    options: it compiles for local tensors (the fast path) and for global ones (op by
+    op) alike, each with its own guards. A few are kept: a model under torch.compile
+    with `data_parallel(compile=...)` too may switch between two."""
+    for known, compiled in fast._compiled:
+        if known == options:
+            return compiled
+    original = fast._original
+
+    # (a frame of sbp's own: torch.compile of a torch.nn method compiles a wrapper
+    # frame shared by every such method, and shares its recompile limit with them)
+    def forward(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    compiled = torch.compile(forward, **options)
+    fast._compiled = [*fast._compiled[-3:], (dict(options), compiled)]
+    return compiled
