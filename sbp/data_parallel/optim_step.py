@@ -23,6 +23,8 @@ gradient), a differentiable group, a step given a closure (it runs backward) and
 being traced run on the global tensors as before. Step hooks registered on the optimizer
 see the locals. What a group's swap needs is kept from one step to the next
 (`_GroupSwap`) while its parameters and state tensors stay the same objects.
+
+(Formerly `sbp/optim_step.py`, which re-exports the names used from there.)
 """
 
 from __future__ import annotations
