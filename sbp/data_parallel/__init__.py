@@ -20,22 +20,27 @@ later call with that layout runs the module's own forward on local tensors:
 - outputs are wrapped back into global tensors; the gradient arriving at a
   broadcast output becomes a partial sum, and at a partial sum (a loss) whole,
   so every local gradient is this rank's share of the logical one;
-- the leaves' gradients are summed by `sbp.gradients.Reducer`, bucket by
+- the leaves' gradients are summed by `reducer.Reducer`, bucket by
   bucket during backward, and land in each parameter's `.grad` in its sbp
   (kept plain until `.grad` is read: `sbp.gradients.take_waiting`).
 Anything else (another layout, parameters that are not broadcast, a module
 whose check failed, ranks outside the placement) runs op by op as before.
 
-The modules, each importing only those listed after it (see docs/design.md):
+The modules, each importing only those listed after it (docs/design.md):
 - `api`: attach and detach, `state`, `data_parallel`'s options, `no_sync`;
 - `call`: the call pipeline (`DataParallel`): layouts, the checking pass's run, the
   first local run's verdict across ranks, the local run's set-up;
-- `torch_compile`: torch.compile glue (a compiled model's call leaving its graph);
+- `torch_compile`: torch.compile glue (a compiled model's call leaving its graph) and the
+  local forward compiled;
 - `check`: the checking pass's judge of every op (`_Check`, `_WholeCalls`);
-- `local_run`: BatchNorm, dropout, attention and losses on local tensors (`_Run`);
+- `local_run`: the local run's counters and mode (`_Run`, `_LocalOps`);
+- `families`: one module per op family with global semantics (BatchNorm, dropout,
+  losses, sdpa), each with its judge for the check and its local run;
+- `reducer`: the gradient reducer; `buffers`: the per-shard running statistics' broadcast;
 - `slots`: parameter and buffer slots swapped for local tensors, undo of a trial run;
+- `inputs`, `layout`: a call's arguments walked once; what a check found per layout;
 - `by_name`: names of `torch.nn.functional` and module forwards replaced for a call;
-- `layout`, `inputs`: what a check found per layout; a call's arguments.
+- `optim_step`: optimizer steps on the locals of broadcast parameters.
 
 This package imports nothing itself: `sbp.nn.fast_path` re-exports the public names.
 """
