@@ -77,7 +77,7 @@ def _differs(what: str, got: list, expected: list) -> str:
 
 
 class DataParallel:
-    """The fast path's state for one module (see the module docstring)."""
+    """The fast path's state for one module (see `sbp.data_parallel`'s docstring)."""
 
     def __init__(self, module: torch.nn.Module, placement: Placement):
         self.placement = placement
