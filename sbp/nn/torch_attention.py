@@ -1,5 +1,5 @@
 """torch's multi-head attention (`nn.MultiheadAttention`, the Transformer layers, ViT) in
-the data-parallel check (sbp.nn.fast_path).
+the data-parallel check and local run (an op family of `sbp.data_parallel.families`).
 
 `F.multi_head_attention_forward` is row-wise in the batch: each sample's output depends on
 its own query, key, value and masks alone. Op by op, though, it merges the sequence with
@@ -26,6 +26,7 @@ from sbp.tensor import GlobalTensor
 
 ATTENTION = F.multi_head_attention_forward
 CALLS = (ATTENTION,)
+LOCAL = CALLS  # (`sbp.data_parallel.families`: `run_local`)
 
 # the tensors of a call: sequence-first (L, N, E), per sample (N, S), per sample and head
 # (N * heads, ...); any other tensor (weights, biases, a 2-d mask) is taken whole
@@ -96,3 +97,10 @@ def run_whole(func, args: tuple, kwargs: dict, data_nd: tuple) -> Any:
     if weights is not None:
         weights = weights.to_global(sbp=data_nd)
     return output, weights
+
+
+def run_local(run, func, args: tuple, kwargs: dict) -> Any:
+    """The local run's call: torch's own, its dropout (called by name inside, where the
+    local ops' mode is off) drawing the op-by-op path's masks (`run.by_name_replaced`)."""
+    with run.by_name_replaced():
+        return func(*args, **kwargs)

@@ -1,5 +1,5 @@
 """torch's `F.embedding_bag` (`nn.EmbeddingBag`) of a 2-d batch in the data-parallel check
-(sbp.nn.fast_path).
+(sbp.data_parallel).
 
 Each row of a 2-d input is one bag, reduced to one output row from that row alone, so the
 call is row-wise in the batch. Op by op, though, it flattens the batch and makes its

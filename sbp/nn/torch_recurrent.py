@@ -10,7 +10,7 @@ tensors.
   row-wise in the batch: each sample's output and final state depend on its own input and
   initial state alone. Op by op, though, they merge the sequence with the split batch
   (`view(L * N, E)` for the input projection) or reach a kernel with no rule, which moves
-  the batch, so the data-parallel check (sbp.nn.fast_path) takes a call as a whole where
+  the batch, so the data-parallel check (sbp.data_parallel) takes a call as a whole where
   its tensors are laid out as the batch, runs it on the local tensors as the local run
   will, and lays its outputs out as the batch.
 """
