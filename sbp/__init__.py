@@ -17,9 +17,10 @@ from sbp.errors import (
 from sbp.factories import arange, empty, full, manual_seed, ones, rand, randn, tensor, zeros
 from sbp.layout import local_shape, local_slices
 from sbp.local_constants import global_mode, implicit_replication
+from sbp.local_to_global import to_global
 from sbp.placement import placement
 from sbp.signature import broadcast, partial_max, partial_min, partial_sum, split
-from sbp.tensor import GlobalTensor, to_global
+from sbp.tensor import GlobalTensor
 from sbp.trace import comm_stats, strict
 
 __version__ = "0.1.0"
