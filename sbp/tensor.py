@@ -110,9 +110,7 @@ class GlobalTensor(torch.Tensor):
         spec, requires_grad, copied_view = ctx
         out = GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
         if copied_view:
-            from sbp.ops.writes import CopyOf
-
-            out._copy_of = CopyOf(None, None)
+            out._copy_of = ops.writes.CopyOf(None, None)
         return out
 
     def _stable_hash_for_caching(self) -> str:
@@ -308,12 +306,10 @@ class GlobalTensor(torch.Tensor):
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """Basic indexing writes each rank's part of the logical slice (see sbp.setitem)."""
-        from sbp.setitem import number_as_global, setitem
-
         read_now(self)  # (a copied view writes itself whole into its base after)
         forget_range(self)  # every rank writes (SPMD), even where it holds no part
-        if not setitem(self, index, value):
-            super().__setitem__(index, number_as_global(self, value))
+        if not ops.setitem.setitem(self, index, value):
+            super().__setitem__(index, ops.setitem.number_as_global(self, value))
 
     def full_tensor(self) -> torch.Tensor:
         """The logical value as a plain tensor on every rank of the placement (a copied
@@ -415,11 +411,9 @@ class GlobalTensor(torch.Tensor):
 def _written_here(g: GlobalTensor) -> GlobalTensor:
     """After a write into `g`'s local tensor outside the dispatcher: what an in-place op
     through it does (`sbp.ops.writes.written`, and autograd's version)."""
-    from sbp.ops.writes import written
-
     torch.autograd.graph.increment_version(g)
     forget_range(g)
-    return written(g)
+    return ops.writes.written(g)
 
 
 # Each memory format's dims, innermost first (contiguous: the last dim first)
@@ -527,19 +521,16 @@ def read_now(g: GlobalTensor) -> GlobalTensor:
     which does this for every input. (It may communicate: every rank reads alike. Not
     for `to_local` and `repr`, which never do.)"""
     if g._copy_of is not None:
-        from sbp.ops.writes import fresh
-
-        fresh(g)
+        ops.writes.fresh(g)
     return g
 
 
 def _dispatch(func, args, kwargs):
-    """First call: bind sbp.ops.dispatch here (a per-op import statement costs ~0.6 us)."""
+    """First call: bind `sbp.ops.registry.dispatch` here (`sbp.ops` may be half-imported
+    when this module is: see the end of this module)."""
     global _dispatch
-    from sbp.ops import dispatch
-
-    _dispatch = dispatch
-    return dispatch(func, args, kwargs)
+    _dispatch = ops.registry.dispatch
+    return _dispatch(func, args, kwargs)
 
 
 def grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
@@ -655,3 +646,12 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# The one two-way pair of sbp's layers (docs/design.md): the rules in `sbp.ops` build on
+# GlobalTensor (ops modules import it at their top), and GlobalTensor's dispatch, writes and
+# `g[i] = v` run them. Imported last, and as the package (its modules are read when called),
+# so that whichever of the two is imported first, each finds what it needs of the other:
+# imported first, this module has defined every name the ops modules take from it; imported
+# from inside `sbp.ops`' own import, it takes the half-made package, read only when called.
+from sbp import ops  # noqa: E402

@@ -21,6 +21,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from sbp import comm, env
+from sbp.boxing.executor import empty_local
+from sbp.layout import GlobalSpec
+from sbp.ops.registry import rebox, unflatten
+from sbp.signature import broadcast
+from sbp.tensor import GlobalTensor
+
 
 class NoMeta(Exception):
     """The op's output metadata cannot be found without its data."""
@@ -94,8 +101,6 @@ def skip_dynamo_import() -> None:
 
 
 def _meta(a: Any) -> Any:
-    from sbp.tensor import GlobalTensor
-
     if isinstance(a, GlobalTensor):
         return torch.empty(a.shape, dtype=a.dtype, device="meta")
     if isinstance(a, torch.Tensor):
@@ -138,7 +143,6 @@ _DTYPES = [getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n)
 
 def outside_ranks_learn(P, metas: list, inside: bool) -> list:
     """Ranks outside `P` learn the output metadata from its first rank (every rank calls, SPMD)."""
-    from sbp import comm, env
 
     world = tuple(range(env.get_world_size()))
     if len(world) == P.size:
@@ -162,11 +166,6 @@ def outside_ranks_learn(P, metas: list, inside: bool) -> list:
 def run_data_dependent(func, flat: list, tree: Any, gpos: list[int]) -> Any:
     """An op whose output shape depends on the data: run it on broadcast inputs, every output
     broadcast, shapes taken from the result (one small exchange tells ranks outside)."""
-    from sbp import env
-    from sbp.layout import GlobalSpec
-    from sbp.ops.registry import rebox, unflatten
-    from sbp.signature import broadcast
-    from sbp.tensor import GlobalTensor
 
     P = flat[gpos[0]]._spec.placement
     nd = (broadcast,) * P.ndim
@@ -184,8 +183,6 @@ def run_data_dependent(func, flat: list, tree: Any, gpos: list[int]) -> Any:
     metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
     metas = outside_ranks_learn(P, metas, inside)
     if not inside:
-        from sbp.boxing.executor import empty_local
-
         leaves = [None if m is None else empty_local(GlobalSpec(P, nd, m[0], m[1])) for m in metas]
         is_seq = len(leaves) != 1
     wrapped = [

@@ -22,14 +22,17 @@ from typing import Any
 
 import torch
 
-from sbp import env, local_constants
+from sbp import env
 from sbp.boxing import plan_specs
+from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import functional, stats
 from sbp.errors import IndexRangeError, PlacementError
 from sbp.layout import GlobalSpec
-from sbp.ops import converted
+from sbp.ops import converted, replication
 from sbp.ops.writes import assign, fresh, is_inplace, is_view, mark_view, written
+from sbp.ranges import known_range, written_args
 from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
+from sbp.tensor import GlobalTensor, box
 
 _rules: dict[Any, Callable] = {}
 _warned: set[str] = set()
@@ -122,7 +125,6 @@ class IndexLimit:
     def check(self, index: Any = None) -> None:
         """Raise `IndexRangeError` where the known range of `index` (default: the one seen)
         leaves [0, limit); unknown ranges pass."""
-        from sbp.tensor import known_range
 
         bounds = known_range(self.index if index is None else index)
         if bounds is not None and (bounds[0] < 0 or bounds[1] >= self.limit):
@@ -145,7 +147,7 @@ def indices_within(index: tuple[int, str], size: Callable[[list], int]) -> Calla
 
     def check(func, args: tuple, kwargs: dict) -> IndexLimit | None:
         full = schema_args(func, args, kwargs)
-        if not isinstance(full[pos], _global_type()):
+        if not isinstance(full[pos], GlobalTensor):
             return None
         found = IndexLimit(func.overloadpacket.__name__, name, full[pos], size(full))
         found.check()
@@ -274,27 +276,6 @@ def unflatten_outputs(leaves: list, spec: Any) -> Any:
     return leaves[0] if spec is None else spec[0](leaves)
 
 
-_GT: list = []
-_TH: list = []
-
-
-def _tensor_helpers():
-    """(GlobalTensor, box), imported once: a function-level import costs ~0.6 us per call."""
-    if not _TH:
-        from sbp.tensor import GlobalTensor, box
-
-        _TH.extend((GlobalTensor, box))
-    return _TH
-
-
-def _global_type():
-    if not _GT:
-        from sbp.tensor import GlobalTensor
-
-        _GT.append(GlobalTensor)
-    return _GT[0]
-
-
 # Ops whose local integer tensors are constants (indices), not data to be placed.
 LOCAL_INDEX_OPS: set = set()
 
@@ -383,7 +364,7 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
     a learning rate never miss the cache). Mixing global and local tensors, or placements, is
     an error naming the op. The key holds the arguments' `tree` (`sum(x, [0], True)` and
     `sum(x, [0, 1])` flatten alike) and tells booleans from the integers equal to them."""
-    GT = _global_type()
+    GT = GlobalTensor
     placement = None
     key: list = [func, tree]
     gpos: list[int] = []
@@ -411,7 +392,7 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
                 a.dim() == 0 and not a.requires_grad and trusted_constant(func)
             ):
                 # sbp.global_mode / implicit_replication, or a backward formula's buffer
-                if local_constants.replicating() or formula_buffer(func, a):
+                if replication.replicating() or formula_buffer(func, a):
                     implicit.append(i)
                     key.append(None)
                     continue
@@ -433,21 +414,17 @@ def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
         else:
             key.append(a)
     if implicit:
-        local_constants.replicate_locals(func, flat, implicit, key, gpos, placement)
+        replication.replicate_locals(func, flat, implicit, key, gpos, placement)
     return tuple(key), gpos
 
 
 def _writes_first(func) -> bool:
     """Does `func` write its first argument (`copy_`, `add_`, an `out=` op's self)?"""
-    from sbp.tensor import written_args
-
     return any(i == 0 for i, _ in written_args(func))
 
 
 def _writes_any(func) -> bool:
     """Does `func` write any argument?"""
-    from sbp.tensor import written_args
-
     return bool(written_args(func))
 
 
@@ -512,7 +489,7 @@ _list_ops: set = set()
 # objects with direct(func, decision), strategy(func, rule, global inputs, decision, what
 # the rule's check returned: an IndexLimit or None),
 # custom(func, args) (true where it takes that op as a whole: the ops its rule runs are
-# then not watched), and write(g, items, value) for `g[items] = value` (sbp.setitem).
+# then not watched), and write(g, items, value) for `g[items] = value` (sbp.ops.setitem).
 observers: list = []
 
 
@@ -525,7 +502,7 @@ _SAME_LAYOUT_VIEWS = frozenset((torch.ops.aten.detach.default, torch.ops.aten.al
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if func in _SAME_LAYOUT_VIEWS:
         g = args[0]
-        out = _global_type()(func._op(g._local), g._spec)
+        out = GlobalTensor(func._op(g._local), g._spec)
         if g._copy_of is not None:  # a view of a copy: writes go on up
             mark_view(func, args, kwargs, [out], False, False)
         return out
@@ -546,7 +523,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             observers[-1].direct(func, d)
         # Cached and nothing to move: run the aten kernel on the locals (func._op skips
         # OpOverload.__call__) and wrap; ~6 us less per op than the general path.
-        GT = _global_type()
+        GT = GlobalTensor
         local = [a._local if type(a) is GT else a for a in flat]
         if d.direct_inplace:
             _unshare_sources(local)
@@ -582,7 +559,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             observers.append(watcher)
     else:
         out = rule(func, args, kwargs)
-    if is_inplace(func) and type(args[0]) is _global_type():
+    if is_inplace(func) and type(args[0]) is GlobalTensor:
         written(args[0])  # (a view sbp had to copy passes the write on to its base)
     return out
 
@@ -764,8 +741,6 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
 
 
 def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
-    GlobalTensor, box = _tensor_helpers()
-
     d = _cache.get(key)
     if d is None:
         from sbp.ops.meta import NoMeta, run_data_dependent
@@ -819,8 +794,6 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
                 args, kwargs = unflatten(flat, tree)
                 leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
     else:
-        from sbp.boxing.executor import empty_local
-
         leaves = [None if s is None else empty_local(s) for s in d.out_specs]
     if inplace:
         self_ = flat[gpos[0]]
@@ -876,7 +849,6 @@ def rebox_to(g, spec: GlobalSpec) -> Any:
     """`g` converted to `spec` (its own placement, shape and dtype), as `rebox`."""
     if spec == g._spec:
         return g
-    GlobalTensor, box = _tensor_helpers()
     return GlobalTensor(box(g._local, g._spec, spec), spec)
 
 
@@ -888,7 +860,6 @@ def without_partials(g) -> Any:
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
     """Uneven splits leave some ranks empty shards, which some kernels reject; when every
     output of this rank is empty, there is nothing to compute."""
-    from sbp.boxing.executor import local_device
 
     shapes = [None if s is None else s.local_shape(rank) for s in out_specs]
     if any(sh is not None and 0 not in sh for sh in shapes) or all(sh is None for sh in shapes):
