@@ -457,25 +457,6 @@ _SET_WAITING_IN = GlobalTensor._waiting_in.__set__
 _SET_COPY_OF = GlobalTensor._copy_of.__set__
 _SET_WATCHED = GlobalTensor._watched.__set__
 
-try:  # (torch's C module: importing torch._dynamo would cost every `import sbp` seconds)
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy as _set_code_exec_strategy
-except ImportError:
-    pass
-else:
-    # Dynamo never traces sbp's dispatch. Reached from the eager part of a compiled function
-    # (after a graph break: `loss.backward()` making its gradient of ones), Dynamo would
-    # break the graph at the wrapper's allocation in `__new__` and resume on a half-made
-    # tensor ("GlobalTensor has no attribute '_local'").
-    # So for the wrapper's making: AOT autograd's backward rebuilds its global tensors
-    # (`__tensor_unflatten__`) while a compiled function's frame callback is still on.
-    for _code in (
-        GlobalTensor.__torch_dispatch__.__func__.__code__,
-        GlobalTensor.__new__.__code__,
-        GlobalTensor.__tensor_unflatten__.__code__,
-    ):
-        _set_code_exec_strategy(_code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-
 
 def watch(tensors: Iterable) -> None:
     """From now on, count the rebindings of these global tensors (others in `tensors` are
