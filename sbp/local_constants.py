@@ -34,7 +34,7 @@ from sbp import env
 from sbp.boxing.executor import local_device
 from sbp.errors import InputTypeError, PlacementError
 from sbp.factories import from_logical
-from sbp.ops.replication import SUSPENDED, check_same_on_ranks, replicated
+from sbp.ops.arguments import SUSPENDED, check_same_on_ranks, replicated
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
 

@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_map
 from sbp import comm, env
 from sbp.boxing.executor import empty_local
 from sbp.layout import GlobalSpec
-from sbp.ops.registry import rebox, unflatten
+from sbp.ops.arguments import unflatten
+from sbp.ops.registry import rebox
 from sbp.signature import broadcast
 from sbp.tensor import GlobalTensor
 

@@ -15,8 +15,8 @@ import torch
 from sbp import env
 from sbp.errors import InputTypeError, InputValueError, LabelRangeError, PlacementError
 from sbp.layout import GlobalSpec
+from sbp.ops.arguments import LOCAL_INDEX_OPS
 from sbp.ops.registry import (
-    LOCAL_INDEX_OPS,
     Call,
     Strategy,
     indices_within,

@@ -18,7 +18,8 @@ import torch
 from sbp import comm, env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
-from sbp.ops.registry import LOCAL_STATE_OPS, flatten, rebox, register, scan
+from sbp.ops.arguments import LOCAL_STATE_OPS, flatten, scan
+from sbp.ops.registry import rebox, register
 from sbp.ops.writes import assign, written
 from sbp.placement import placement as Placement
 from sbp.ranges import written_args

@@ -19,7 +19,7 @@ import torch
 
 from sbp.errors import PlacementError
 from sbp.ops import registry
-from sbp.ops.replication import as_broadcast
+from sbp.ops.arguments import as_broadcast
 from sbp.ops.writes import write_part, written
 from sbp.tensor import GlobalTensor
 

@@ -14,19 +14,17 @@ import torch
 from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.errors import IndexRangeError, PlacementError
-from sbp.ops import replication
+from sbp.ops import arguments
+from sbp.ops.arguments import LOCAL_INDEX_OPS, formula_buffer, trusted_constant
 from sbp.ops.meta import outside_ranks_learn
 from sbp.ops.registry import (
-    LOCAL_INDEX_OPS,
     Call,
     Strategy,
-    formula_buffer,
     indices_within,
     local_view,
     rebox,
     register,
     register_strategy,
-    trusted_constant,
 )
 from sbp.ops.writes import assign, mark_view
 from sbp.signature import broadcast, partial_sum, split
@@ -468,7 +466,7 @@ def index_put(func, args, kwargs):
                 f"{func}: values is a local tensor of shape {tuple(values.shape)}; make it "
                 "global first (values.to_global(placement, sbp)), or pass a Python number"
             )
-        values = replication.as_broadcast(values, x._spec.placement)
+        values = arguments.as_broadcast(values, x._spec.placement)
     nd = tuple(
         partial_sum if a.is_partial or b.is_partial else broadcast
         for a, b in zip(x.sbp, values.sbp, strict=True)
