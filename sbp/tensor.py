@@ -305,7 +305,7 @@ class GlobalTensor(torch.Tensor):
         self._local, self._spec = value._local, value._spec
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        """Basic indexing writes each rank's part of the logical slice (see sbp.setitem)."""
+        """Basic indexing writes each rank's part of the logical slice (see sbp.ops.setitem)."""
         read_now(self)  # (a copied view writes itself whole into its base after)
         forget_range(self)  # every rank writes (SPMD), even where it holds no part
         if not ops.setitem.setitem(self, index, value):

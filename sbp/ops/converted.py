@@ -19,7 +19,7 @@ backward of an op whose forward converted its input (pow's saved input), and vie
   instead, and keeps that.
 - **Writes.** A kept value holds while its source's local storage is not written: the
   writes through global tensors on it (counted per storage by every rank, in
-  `GlobalTensor.__torch_dispatch__`: `sbp.tensor.global_writes`) and the local tensor's
+  `GlobalTensor.__torch_dispatch__`: `sbp.ranges.global_writes`) and the local tensor's
   own version (writes outside the dispatcher: an optimizer's step on the locals,
   `x.to_local().add_(1)`) must be what they were; so must the kept result's, should a
   later op write through a tensor that shows it. A write into `to_local()` of a view

@@ -41,7 +41,7 @@ class CopyOf:
     view's local memory (`as_shown`, `x.set_(view)`), so one refresh serves them all.
 
     Two counts tell a write into the base's local memory: the writes through global
-    tensors on its storage (`sbp.tensor.forget_range`, counted by every rank for every
+    tensors on its storage (`sbp.ranges.forget_range`, counted by every rank for every
     in-place op: SPMD), and the local tensor's own version, which moves where it is
     written outside sbp's dispatcher (an optimizer's step on the locals,
     `x.to_local().add_(1)`; inside the dispatcher writes into local tensors move no
