@@ -19,7 +19,7 @@ from sbp import comm, env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
 from sbp.ops.arguments import LOCAL_STATE_OPS, flatten, scan
-from sbp.ops.registry import rebox, register
+from sbp.ops.registry import rebox, register, register_list_ops
 from sbp.ops.writes import assign, written
 from sbp.placement import placement as Placement
 from sbp.ranges import written_args
@@ -292,3 +292,6 @@ def amp_unscale(func, args, kwargs):
     if any(g._spec.nd_sbp != whole for g in grads):
         comm.all_reduce(found, "max", placement.flat_ranks)
     return None
+
+
+register_list_ops(is_list_op, list_rule)

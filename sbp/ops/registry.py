@@ -37,6 +37,7 @@ from sbp.ops.arguments import (  # noqa: F401 - note_optimizer_step: sbp.optim_s
     unflatten,
     unflatten_outputs,
 )
+from sbp.ops.meta import NoMeta, outputs, outside_ranks_learn
 from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
 from sbp.ranges import known_range, written_args
 from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
@@ -63,6 +64,8 @@ class Dispatcher:
         # tensors would cost more than it saves; no single placement: a pipeline's stages
         # may share one list).
         self.list_ops: set = set()
+        # (predicate, rule) of the list ops (`register_list_ops`: sbp.ops.optim's)
+        self.list_ops_rule: tuple[Callable[[Any], bool], Callable] = (lambda func: False, None)
         # decisions by key (`scan`), least recently used first, at most CACHE_SIZE
         self.cache: OrderedDict = OrderedDict()
         self.warned: set[str] = set()  # ops whose fallback was warned about
@@ -260,6 +263,12 @@ def register_when(predicate: Callable[[Any], bool], strategy: bool = False, firs
     return deco
 
 
+def register_list_ops(predicate: Callable[[Any], bool], rule: Callable) -> None:
+    """Ops for which `predicate(op)` holds are list ops, run by `rule` unless they have
+    their own (see `Dispatcher.list_ops`)."""
+    DISPATCHER.list_ops_rule = (predicate, rule)
+
+
 def _writes_any(func) -> bool:
     """Does `func` write any argument?"""
     return bool(written_args(func))
@@ -269,8 +278,7 @@ def _resolve(func):
     """The rule of `func` (a StrategyRule or a function), looked up once per op."""
     rule = _resolved.get(func)
     if rule is None:
-        from sbp.ops.optim import is_list_op, list_rule
-
+        is_list_op, list_rule = DISPATCHER.list_ops_rule
         rule = _rules.get(func)
         if rule is None:
             rule = next((r for applies, r in _rules_first if applies(func)), None)
@@ -392,8 +400,6 @@ def local_view(func, largs: tuple, lkwargs: dict) -> Any:
 
 
 def _outputs_on_meta(func, args, kwargs):
-    from sbp.ops.meta import outputs
-
     return outputs(func, args, kwargs)
 
 
@@ -536,8 +542,6 @@ def run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, 
 def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list) -> Any:
     d = _cache.get(key)
     if d is None:
-        from sbp.ops.meta import NoMeta, run_data_dependent
-
         args, kwargs = unflatten(flat, tree)
         try:
             d = decision_for(rule, func, args, kwargs, key, [flat[i]._spec for i in gpos])
@@ -600,6 +604,36 @@ def _run_strategy(rule: StrategyRule, func, flat: list, tree: tuple, key: tuple,
     args, kwargs = unflatten(flat, tree)
     mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
+
+
+def run_data_dependent(func, flat: list, tree: Any, gpos: list[int]) -> Any:
+    """An op whose output shape depends on the data: run it on broadcast inputs, every output
+    broadcast, shapes taken from the result (one small exchange tells ranks outside)."""
+    P = flat[gpos[0]]._spec.placement
+    nd = (broadcast,) * P.ndim
+    inside = env.get_rank() in P
+    local = list(flat)
+    for i in gpos:
+        local[i] = rebox(flat[i], nd)._local
+    if inside:
+        args, kwargs = unflatten(local, tree)
+        out = func(*args, **kwargs)
+    else:
+        out = None
+    is_seq = isinstance(out, (list, tuple))
+    leaves = list(out) if is_seq else [out]
+    metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
+    metas = outside_ranks_learn(P, metas, inside)
+    if not inside:
+        leaves = [None if m is None else empty_local(GlobalSpec(P, nd, m[0], m[1])) for m in metas]
+        is_seq = len(leaves) != 1
+    wrapped = [
+        GlobalTensor(t, GlobalSpec(P, nd, m[0], m[1])) if m is not None else t
+        for t, m in zip(leaves, metas, strict=True)
+    ]
+    if not is_seq:
+        return wrapped[0]
+    return type(out)(wrapped) if out is not None else tuple(wrapped)
 
 
 def _unshare_sources(local: list) -> None:
