@@ -12,7 +12,7 @@ on it). These tests hold the code to that:
   is that pair: with `sbp.ops.*` taken as one node, the only strongly connected set is
   {`sbp.tensor`, `sbp.ops`};
 - no module in `sbp/ops` imports `sbp.tensor` inside a function (they import it at the
-  top: the pair is explicit);
+  top: the pair is explicit), nor any other sbp module;
 - imports inside functions that close a cycle the top-level imports do not show (a hidden
   cycle) are counted, and the count may only go down (`HIDDEN_CYCLE_CEILING`).
 """
@@ -188,6 +188,18 @@ def test_no_function_level_import_of_sbp_tensor_in_ops():
         if m == "sbp.ops" or m.startswith("sbp.ops.")
         for target, line in imports
         if target == "sbp.tensor"
+    ]
+    assert found == []
+
+
+def test_ops_import_sbp_modules_at_the_top_only():
+    """Stronger than the above: an ops module's sbp imports are all at its top."""
+    _, inner = _graph()
+    found = [
+        f"{m}:{line} -> {target}"
+        for m, imports in inner.items()
+        if m == "sbp.ops" or m.startswith("sbp.ops.")
+        for target, line in imports
     ]
     assert found == []
 
