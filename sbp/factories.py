@@ -21,9 +21,11 @@ from sbp.boxing.executor import local_device
 from sbp.comm import agreement, stats
 from sbp.errors import InputTypeError, PlacementError, SbpError, SbpSignatureError
 from sbp.layout import GlobalSpec
+from sbp.local_to_global import unsupported_kind
 from sbp.placement import placement as Placement
+from sbp.ranges import learn_range
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import GlobalTensor, box, learn_range, unsupported_kind
+from sbp.tensor import GlobalTensor, box
 
 
 def manual_seed(seed: int) -> None:

@@ -23,7 +23,6 @@ Factories called by sbp's own machinery (boxing, collectives) stay local.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -31,10 +30,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sbp import comm, env
-from sbp.boxing.executor import empty_local, local_device
+from sbp import env
+from sbp.boxing.executor import local_device
 from sbp.errors import InputTypeError, PlacementError
-from sbp.layout import GlobalSpec
+from sbp.factories import from_logical
+from sbp.ops.arguments import SUSPENDED, check_same_on_ranks, replicated
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
 
@@ -55,16 +55,6 @@ FACTORIES = frozenset(
     }
 )
 
-_replicating: list[bool] = []  # a stack: one entry per active implicit_replication
-
-
-_suspended: list[bool] = []  # the data-parallel fast path's local runs (sbp.nn.fast_path)
-
-
-def replicating() -> bool:
-    """Is an `implicit_replication()` active? (read by the dispatcher's argument scan)"""
-    return bool(_replicating) and not _suspended
-
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
@@ -73,7 +63,7 @@ def suspended() -> Iterator[None]:
 
     `global_mode`'s modes, which do nothing inside, leave torch's mode stack for the
     duration where they are on its top: each would cost a Python call per torch call."""
-    _suspended.append(True)
+    SUSPENDED.append(True)
     lifted = []
     while (
         torch._C._len_torch_function_stack()
@@ -86,29 +76,7 @@ def suspended() -> Iterator[None]:
     finally:
         for mode in reversed(lifted):
             torch._C._push_on_torch_function_stack(mode)
-        _suspended.pop()
-
-
-def _checking() -> bool:
-    return bool(_replicating) and _replicating[-1]
-
-
-# ---------------------------------------------------------------- the cross-rank check
-
-
-def value_hash(t: torch.Tensor) -> str:
-    """A cheap fingerprint of a local value, equal across processes for equal values."""
-    data = t.detach().to("cpu").contiguous()
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr((tuple(data.shape), data.dtype)).encode())
-    h.update(data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return h.hexdigest()
-
-
-def check_same_on_ranks(t: torch.Tensor, P: Placement, what: str) -> None:
-    """Raise `MetaMismatchError` on every rank of `P` if `t` differs between them."""
-    if env.get_rank() in P:
-        comm.exchange({"local value hash": value_hash(t)}, tuple(P.flat_ranks), what=what)
+        SUSPENDED.pop()
 
 
 # ---------------------------------------------------------------- implicit replication
@@ -120,47 +88,14 @@ def implicit_replication(check: bool = False) -> Iterator[None]:
     op's placement (DTensor's `implicit_replication`). With `check=True`, every such value is
     compared across the placement's ranks first (one small all-gather per use)."""
     _check_flag("implicit_replication", check)
-    _replicating.append(check)
-    try:
+    with replicated(check):
         yield
-    finally:
-        _replicating.pop()
 
 
 def _check_flag(name: str, check: Any) -> None:
     """`check` is a bool: `check="no"` would be true, and cost an all-gather per value."""
     if not isinstance(check, bool):
         raise InputTypeError(f"sbp.{name}: check must be True or False, got {check!r}")
-
-
-def replicate_locals(func, flat: list, positions: list[int], key: list, gpos: list[int], P) -> None:
-    """In place: the local tensors at `positions` of `flat` become broadcast global tensors on
-    `P`, with their specs in the decision key and their positions among the global ones."""
-    if P is None:
-        raise PlacementError(f"{func}: implicit_replication needs a global input to place on")
-    first = len(key) - len(flat)  # (the key holds one entry per argument, after its head)
-    for i in positions:
-        a = flat[i]
-        if a.requires_grad:
-            raise PlacementError(
-                f"{func}: a local tensor of shape {tuple(a.shape)} that requires grad cannot be "
-                "replicated implicitly (its gradient would be lost); make it global first"
-            )
-        if _checking():
-            check_same_on_ranks(a, P, f"the local tensor argument {i} of {func}")
-        flat[i] = as_broadcast(a, P)
-        key[first + i] = flat[i]._spec
-    gpos[:] = sorted([*gpos, *positions])
-
-
-def as_broadcast(local: torch.Tensor, P: Placement):
-    """`local`, a value every rank of `P` holds alike, as a broadcast global tensor on `P`
-    (ranks outside `P` hold metadata only)."""
-    from sbp.tensor import GlobalTensor
-
-    spec = GlobalSpec(P, (broadcast,) * P.ndim, tuple(local.shape), local.dtype)
-    inside = env.get_rank() in P
-    return GlobalTensor(local.to(local_device(P.type)) if inside else empty_local(spec), spec)
 
 
 # ---------------------------------------------------------------- global mode
@@ -201,10 +136,8 @@ class _GlobalFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in FACTORIES or _suspended or _stays_local(kwargs) or _called_by_sbp():
+        if func not in FACTORIES or SUSPENDED or _stays_local(kwargs) or _called_by_sbp():
             return func(*args, **kwargs)
-        from sbp.factories import from_logical
-
         P = self.placement
         requires_grad = kwargs.pop("requires_grad", False)
         kwargs["device"] = local_device(P.type)
@@ -232,9 +165,6 @@ def global_mode(placement: Placement, sbp: Any = None, *, check: bool = False) -
         sbp = (broadcast,) * placement.ndim
     placement.check_in_world(env.get_world_size())
     normalize_nd_sbp(sbp, placement.ndim)  # a bad sbp fails here, not at the first factory
-    _replicating.append(bool(check))  # constants torch makes in C++ (no factory call) too
-    try:
-        with _GlobalFactories(placement, sbp, check):
-            yield
-    finally:
-        _replicating.pop()
+    # (replicated: constants torch makes in C++, with no factory call, too)
+    with replicated(bool(check)), _GlobalFactories(placement, sbp, check):
+        yield

@@ -19,9 +19,11 @@ from sbp.ops import (  # noqa: F401 - register rules
     out_variants,
     pointwise,
     reductions,
+    setitem,
     shard_batch_norm,
     traced,
     views,
+    writes,
 )
 from sbp.ops.registry import dispatch, register
 

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import torch
 
+from sbp import env
+from sbp.boxing.executor import empty_local
+from sbp.layout import GlobalSpec
 from sbp.ops.registry import register
-from sbp.signature import partials_to_broadcast
+from sbp.ops.writes import CopyOf, as_shown
+from sbp.signature import broadcast, partials_to_broadcast
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 
 
 @register(aten.clone.default)
 def same_layout(func, args, kwargs):
-    from sbp.tensor import GlobalTensor
-
     g = args[0]
     return GlobalTensor(func(g._local, *args[1:], **kwargs), g._spec)
 
@@ -27,8 +30,6 @@ def resolved_view(func, args, kwargs):
     step that runs above sbp's dispatch, so a local tensor marked so would be read as it
     is stored. The local value is resolved at once instead; the result is a copied view
     (sbp.ops.writes) that refuses in-place writes rather than miss its base."""
-    from sbp.ops.writes import CopyOf, as_shown
-    from sbp.tensor import GlobalTensor
 
     g = args[0]
     local = g._local.conj_physical() if func is aten._conj.default else g._local.neg()
@@ -56,7 +57,6 @@ def like(func, args, kwargs):
     """A new value of the same shape, in the input's layout. Ones and a fill value are set on
     every rank, so a partial input gives broadcast; zeros and an empty tensor stay partial, so
     that `torch.empty_like(p).copy_(p)` (which in-place ops make keep its layout) is free."""
-    from sbp.tensor import GlobalTensor
 
     g = args[0]
     spec = g._spec
@@ -77,11 +77,6 @@ def new_alloc(func, args, kwargs):
     but for zeros and empty ones, as in `like`), so autograd's copy of a split or partial
     gradient into a new one (`new_empty_strided(...).copy_(grad)`) is free; of another shape,
     it is broadcast."""
-    from sbp import env
-    from sbp.boxing.executor import empty_local
-    from sbp.layout import GlobalSpec
-    from sbp.signature import broadcast
-    from sbp.tensor import GlobalTensor
 
     g, size = args[0], tuple(args[1])
     spec = g._spec

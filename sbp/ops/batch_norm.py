@@ -24,9 +24,11 @@ import math
 import torch
 
 from sbp import comm, env
+from sbp.boxing.executor import empty_local
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import rebox, register
 from sbp.signature import broadcast, splits_to_partials
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 
@@ -395,7 +397,6 @@ def wrap_native(outs, x, stat_spec: GlobalSpec, running: tuple = ()) -> tuple:
     """torch's BatchNorm outputs on the local tensors as global ones: (out, mean, invstd) laid
     out as `x` and `stat_spec` (the shape and dtype torch gave them), and, from the functional
     variant, the new running statistics laid out as the old ones (`running`)."""
-    from sbp.tensor import GlobalTensor
 
     wrapped = [GlobalTensor(outs[0], x._spec)]
     for stat in outs[1:3]:
@@ -410,8 +411,6 @@ def wrap_native(outs, x, stat_spec: GlobalSpec, running: tuple = ()) -> tuple:
 @register(aten.native_batch_norm.default)
 def native_batch_norm(func, args, kwargs):
     """Train mode over a split batch: the logical batch's statistics; otherwise local."""
-    from sbp.boxing.executor import empty_local
-    from sbp.tensor import GlobalTensor
 
     x, weight, bias, running_mean, running_var, training, momentum, eps = args
     nd = _bn_layout(x)
@@ -443,8 +442,6 @@ def native_batch_norm(func, args, kwargs):
 def native_batch_norm_backward(func, args, kwargs):
     """Train mode over a split batch: one all-reduce of the two gradient sums, so parameter
     gradients come out whole (broadcast)."""
-    from sbp.boxing.executor import empty_local
-    from sbp.tensor import GlobalTensor
 
     grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask = args
     nd = _bn_layout(x)
@@ -483,7 +480,6 @@ def vendor_batch_norm(func, args, kwargs):
     """cuDNN's (and MIOpen's) BatchNorm, which torch picks for a tensor on the GPU: the
     native rule's result (torch's native kernels run on the locals), plus cuDNN's reserve
     buffer, left empty since the backward below does not read it."""
-    from sbp.tensor import GlobalTensor
 
     out, mean, invstd = native_batch_norm(aten.native_batch_norm.default, args, kwargs)
     if func is aten.miopen_batch_norm.default:

@@ -18,6 +18,7 @@ from sbp.boxing.executor import local_device
 from sbp.errors import DeviceMismatchError
 from sbp.ops.registry import register, without_partials
 from sbp.signature import partial_sum
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 
@@ -32,8 +33,6 @@ def _keeps_partials(spec, dtype: torch.dtype) -> bool:
 
 @register(aten._to_copy.default)
 def to_copy(func, args, kwargs):
-    from sbp.tensor import GlobalTensor
-
     g = args[0]
     P = g._spec.placement
     kwargs = dict(kwargs)

@@ -19,7 +19,7 @@ backward of an op whose forward converted its input (pow's saved input), and vie
   instead, and keeps that.
 - **Writes.** A kept value holds while its source's local storage is not written: the
   writes through global tensors on it (counted per storage by every rank, in
-  `GlobalTensor.__torch_dispatch__`: `sbp.tensor.global_writes`) and the local tensor's
+  `GlobalTensor.__torch_dispatch__`: `sbp.ranges.global_writes`) and the local tensor's
   own version (writes outside the dispatcher: an optimizer's step on the locals,
   `x.to_local().add_(1)`) must be what they were; so must the kept result's, should a
   later op write through a tensor that shows it. A write into `to_local()` of a view
@@ -56,8 +56,10 @@ from typing import Any
 import torch
 
 from sbp import env
+from sbp.boxing import plan_specs
 from sbp.comm import functional, shm
 from sbp.layout import GlobalSpec
+from sbp.ranges import COPIED_VIEWS, global_writes
 
 _ENABLED = [os.environ.get("SBP_REUSE_CONVERSIONS", "1") != "0"]
 
@@ -111,15 +113,12 @@ def _forget(key: int, _ref: Any = None) -> None:
 
 
 def _versions(t: torch.Tensor) -> tuple:
-    from sbp.tensor import global_writes
-
     return global_writes(t), None if t.is_inference() else t._version
 
 
 @functools.lru_cache(maxsize=4096)
 def _worth_keeping(src: GlobalSpec, dst: GlobalSpec) -> bool:
     """Does the conversion run a collective on one placement?"""
-    from sbp.boxing import plan_specs
 
     return src.placement == dst.placement and bool(plan_specs(src, dst).collectives)
 
@@ -166,8 +165,6 @@ def _entries(g) -> list[_Kept]:
 
 
 def _keep(g, kept: _Kept) -> None:
-    from sbp.tensor import COPIED_VIEWS
-
     COPIED_VIEWS[0] = True  # (from now on every write through global tensors is counted)
     found = _kept.get(id(g))
     if found is None:

@@ -17,8 +17,9 @@ from torch._decomp import decomposition_table
 
 from sbp.comm import stats
 from sbp.ops import converted
-from sbp.ops.registry import _tensor_helpers, observers, register, register_when
+from sbp.ops.registry import observers, register, register_when
 from sbp.signature import partials_to_broadcast
+from sbp.tensor import GlobalTensor, box
 
 aten = torch.ops.aten
 
@@ -56,11 +57,10 @@ def _partial(a) -> bool:
 
 def _whole(g):
     """`g` as a global tensor without partial sums: the same logical value."""
-    global_type, box = _tensor_helpers()
     dst = g._spec._replace(nd_sbp=partials_to_broadcast(g._spec.nd_sbp))
     if observers:  # (the data-parallel fast path's checking pass: nothing kept)
-        return global_type(box(g._local, g._spec, dst), dst)
-    return global_type(converted.convert(g, dst, box), dst)
+        return GlobalTensor(box(g._local, g._spec, dst), dst)
+    return GlobalTensor(converted.convert(g, dst, box), dst)
 
 
 register(*(op for op in DECOMPOSED if op in decomposition_table))(_decomposed)

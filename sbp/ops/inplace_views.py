@@ -16,9 +16,10 @@ import torch
 from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError, SbpSignatureError
-from sbp.ops.registry import _global_type, register
+from sbp.ops.registry import register
 from sbp.ops.writes import as_shown
 from sbp.signature import Split, broadcast
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 
@@ -53,7 +54,6 @@ def view_in_place(func, args: tuple, kwargs: dict) -> Any:
 def set_to(func, args: tuple, kwargs: dict) -> Any:
     """`x.set_(source)`: `x` shows `source`'s data, in `source`'s layout; `x.set_()` makes
     it empty."""
-    GlobalTensor = _global_type()
     x = args[0]
     if func is aten.set_.default:
         spec = x._spec._replace(nd_sbp=(broadcast,) * x.placement.ndim, shape=(0,))
@@ -113,4 +113,4 @@ def resize(func, args: tuple, kwargs: dict) -> Any:
         local.resize_(size)
     else:
         local = empty_local(spec)
-    return become(x, _global_type()(local, spec))
+    return become(x, GlobalTensor(local, spec))

@@ -10,7 +10,7 @@ Two things make that harder than it sounds:
   dynamo is loaded.
 - Some ops have no meta kernel (`aten.equal`, `nonzero`, `masked_select`): their
   output depends on the data. `outputs` raises `NoMeta` for them; the registry
-  then runs them on broadcast inputs (`run_data_dependent`).
+  then runs them on broadcast inputs (`sbp.ops.registry.run_data_dependent`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
+
+from sbp import comm, env
+from sbp.tensor import GlobalTensor
 
 
 class NoMeta(Exception):
@@ -94,8 +97,6 @@ def skip_dynamo_import() -> None:
 
 
 def _meta(a: Any) -> Any:
-    from sbp.tensor import GlobalTensor
-
     if isinstance(a, GlobalTensor):
         return torch.empty(a.shape, dtype=a.dtype, device="meta")
     if isinstance(a, torch.Tensor):
@@ -138,7 +139,6 @@ _DTYPES = [getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n)
 
 def outside_ranks_learn(P, metas: list, inside: bool) -> list:
     """Ranks outside `P` learn the output metadata from its first rank (every rank calls, SPMD)."""
-    from sbp import comm, env
 
     world = tuple(range(env.get_world_size()))
     if len(world) == P.size:
@@ -157,41 +157,3 @@ def outside_ranks_learn(P, metas: list, inside: bool) -> list:
         out.append((tuple(row[i + 1 : i + 1 + n]), _DTYPES[row[i + 1 + n]]))
         i += n + 2
     return out
-
-
-def run_data_dependent(func, flat: list, tree: Any, gpos: list[int]) -> Any:
-    """An op whose output shape depends on the data: run it on broadcast inputs, every output
-    broadcast, shapes taken from the result (one small exchange tells ranks outside)."""
-    from sbp import env
-    from sbp.layout import GlobalSpec
-    from sbp.ops.registry import rebox, unflatten
-    from sbp.signature import broadcast
-    from sbp.tensor import GlobalTensor
-
-    P = flat[gpos[0]]._spec.placement
-    nd = (broadcast,) * P.ndim
-    inside = env.get_rank() in P
-    local = list(flat)
-    for i in gpos:
-        local[i] = rebox(flat[i], nd)._local
-    if inside:
-        args, kwargs = unflatten(local, tree)
-        out = func(*args, **kwargs)
-    else:
-        out = None
-    is_seq = isinstance(out, (list, tuple))
-    leaves = list(out) if is_seq else [out]
-    metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
-    metas = outside_ranks_learn(P, metas, inside)
-    if not inside:
-        from sbp.boxing.executor import empty_local
-
-        leaves = [None if m is None else empty_local(GlobalSpec(P, nd, m[0], m[1])) for m in metas]
-        is_seq = len(leaves) != 1
-    wrapped = [
-        GlobalTensor(t, GlobalSpec(P, nd, m[0], m[1])) if m is not None else t
-        for t, m in zip(leaves, metas, strict=True)
-    ]
-    if not is_seq:
-        return wrapped[0]
-    return type(out)(wrapped) if out is not None else tuple(wrapped)

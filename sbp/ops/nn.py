@@ -13,11 +13,11 @@ from typing import NamedTuple
 import torch
 
 from sbp import env
-from sbp.errors import InputTypeError, InputValueError, LabelRangeError
+from sbp.errors import InputTypeError, InputValueError, LabelRangeError, PlacementError
 from sbp.layout import GlobalSpec
 from sbp.ops import class_split
+from sbp.ops.arguments import LOCAL_INDEX_OPS
 from sbp.ops.registry import (
-    LOCAL_INDEX_OPS,
     Call,
     Strategy,
     indices_within,
@@ -31,7 +31,9 @@ from sbp.ops.registry import (
 )
 from sbp.ops.writes import assign
 from sbp.random import draw_seed
+from sbp.ranges import known_range
 from sbp.signature import broadcast, partial_sum, split, splits_to_partials
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -39,7 +41,6 @@ B, P = broadcast, partial_sum
 
 def by_position(call: Call, sbps: dict[int, object], default=B) -> tuple:
     """An SBP for each global argument, chosen by its positional index."""
-    from sbp.tensor import GlobalTensor
 
     out = []
     for i, a in enumerate(call.args):
@@ -126,7 +127,6 @@ def glu_backward(call: Call) -> list[Strategy]:
 def log_sigmoid_forward(func, args, kwargs):
     """F.logsigmoid: elementwise, in any layout but partial. Its second output is a buffer
     for the backward, elementwise on the CPU but empty on CUDA (shape (0,)): whole there."""
-    from sbp.tensor import GlobalTensor
 
     x = without_partials(args[0])
     local = x._local
@@ -236,7 +236,6 @@ def nll_loss_forward(func, args, kwargs):
     """Mean over the logical batch: local sums divided by the all-reduced total weight.
     (`nll_loss2d` is the same loss for (N, C, H, W) scores, and for any K-dim ones, which
     torch reshapes to 4-D.)"""
-    from sbp.tensor import GlobalTensor, known_range
 
     x, target, weight, reduction, ignore_index = args
     layout = nll_layout(x, target, weight, reduction)
@@ -290,7 +289,6 @@ def check_labels(target, classes: int, ignore_index: int) -> tuple[int, int] | N
     A bound equal to `ignore_index` hides what lies between it and the valid labels; only
     the other bound is checked then. Unknown ranges (GPU labels, labels computed by ops)
     are left to the kernel."""
-    from sbp.tensor import known_range
 
     bounds = known_range(target)
     if bounds is None:
@@ -450,8 +448,6 @@ def bernoulli_(func, args, kwargs):
 
 @register(aten.native_dropout.default)
 def native_dropout(func, args, kwargs):
-    from sbp.tensor import GlobalTensor
-
     x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
     x = without_partials(x)
     if not train or p == 0:
@@ -475,7 +471,6 @@ def native_dropout_backward(call: Call) -> list[Strategy]:
 @register(aten._local_scalar_dense.default)
 def item(func, args, kwargs):
     """`.item()`: the logical value (communicates; every rank of the placement calls it)."""
-    from sbp.errors import PlacementError
 
     x = rebox(args[0], (B,) * args[0].placement.ndim)
     if env.get_rank() not in x.placement:

@@ -18,10 +18,13 @@ import torch
 from sbp import comm, env
 from sbp.boxing.executor import empty_local
 from sbp.errors import PlacementError
-from sbp.ops.registry import LOCAL_STATE_OPS, rebox, register
+from sbp.ops.arguments import LOCAL_STATE_OPS, flatten, scan
+from sbp.ops.registry import rebox, register, register_list_ops
 from sbp.ops.writes import assign, written
 from sbp.placement import placement as Placement
+from sbp.ranges import written_args
 from sbp.signature import broadcast, partials_to_broadcast
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 # Fused optimizers take their step counts as 0-dim local tensors, equal on every rank.
@@ -72,8 +75,6 @@ def list_rule(func, args, kwargs):
     groups = placement_groups(func, args)
     if len(groups) > 1:
         return _per_placement(func, args, kwargs, groups, at, numbers)
-    from sbp.ops.registry import flatten, scan
-    from sbp.tensor import GlobalTensor, written_args
 
     # mixed placements or local tensors: a named error; copied views taken again if stale
     scan(func, flatten(args, kwargs)[0])
@@ -136,7 +137,6 @@ def _aligned_locals(args, kwargs):
 
     An optimizer step passes lists of hundreds of tensors, so the checks run as C loops
     (`map`) over attributes that a model's tensors mostly share as the same objects."""
-    from sbp.tensor import GlobalTensor
 
     placement = specs = nds = None
     local_args = list(args)
@@ -182,7 +182,6 @@ def _all_are(objects, first) -> bool:
 
 def _run(func, local_args, local_kwargs, placement, specs):
     """Run the list op on this rank's locals; its outputs (if any) laid out as `specs`."""
-    from sbp.tensor import GlobalTensor
 
     inside = env.get_rank() in placement
     if inside:
@@ -218,7 +217,6 @@ def foreach_norm(func, args, kwargs):
 def placement_groups(func, args: tuple) -> dict:
     """{placement: positions} of the first tensor list's global tensors (one key: one
     placement). A local tensor among global ones raises PlacementError naming `func`."""
-    from sbp.tensor import GlobalTensor
 
     first = next((a for a in args if type(a) in (list, tuple) and a), ())
     groups: dict = {}
@@ -236,7 +234,6 @@ def _per_placement(func, args: tuple, kwargs: dict, groups: dict, at=None, numbe
     positions, and of the local tensor of `numbers` (one per entry) at `at`; a lone global
     tensor argument (clip_grad_norm_'s scale, a 0-d broadcast) goes to each placement,
     broadcast."""
-    from sbp.tensor import GlobalTensor
 
     n = next(len(a) for a in args if type(a) in (list, tuple) and a)
     many = len(func._schema.returns) > 1  # (lists of results: `_fused_adam`, functional)
@@ -273,7 +270,6 @@ def amp_unscale(func, args, kwargs):
     under implicit_replication). A rank sees only its part of a gradient that is split or
     partial, so then found_inf is max-reduced over the placement: every rank skips the same
     steps, as one process would."""
-    from sbp.tensor import GlobalTensor
 
     names = ("self", "found_inf", "inv_scale")
     grads, found_inf, inv_scale = (*args, *(kwargs[n] for n in names[len(args) :]))
@@ -296,3 +292,6 @@ def amp_unscale(func, args, kwargs):
     if any(g._spec.nd_sbp != whole for g in grads):
         comm.all_reduce(found, "max", placement.flat_ranks)
     return None
+
+
+register_list_ops(is_list_op, list_rule)

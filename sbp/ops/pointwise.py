@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sbp.ops.registry import Call, Strategy, register_strategy, register_when, scalar_class
+from sbp.ops.arguments import scalar_class
+from sbp.ops.registry import Call, Strategy, register_strategy, register_when
 from sbp.signature import broadcast, partial_sum, split
 
 aten = torch.ops.aten

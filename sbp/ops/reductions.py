@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from sbp import env
 from sbp.kernels import fill_value
 from sbp.layout import GlobalSpec
 from sbp.ops.registry import (
@@ -66,7 +67,6 @@ def sum_(call: Call) -> list[Strategy]:
 
 def _mean_share(func, args, kwargs, outs, in_specs, out_specs):
     """Turn each rank's local mean over split dims into its share of the logical mean."""
-    from sbp import env
 
     spec: GlobalSpec = in_specs[0]
     dims, _ = reduced_dims(Call(func, args, kwargs, [spec], []))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -24,19 +23,79 @@ from typing import Any
 
 import torch
 
-from sbp import env, local_constants
+from sbp import env
 from sbp.boxing import plan_specs
+from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import functional, stats
-from sbp.errors import IndexRangeError, PlacementError
+from sbp.errors import IndexRangeError
 from sbp.layout import GlobalSpec
 from sbp.ops import converted
-from sbp.ops.writes import assign, fresh, is_inplace, is_view, mark_view, written
+from sbp.ops.arguments import (  # noqa: F401 - note_optimizer_step: sbp.optim_step's
+    PLAIN,
+    flatten,
+    flatten_outputs,
+    note_optimizer_step,
+    scan,
+    unflatten,
+    unflatten_outputs,
+)
+from sbp.ops.meta import NoMeta, outputs, outside_ranks_learn
+from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
+from sbp.ranges import known_range, written_args
 from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
+from sbp.tensor import GlobalTensor, box
 
-_rules: dict[Any, Callable] = {}
-_warned: set[str] = set()
 CACHE_SIZE = 8192
-_cache: OrderedDict = OrderedDict()
+
+
+class Dispatcher:
+    """The dispatcher's state, on one object: the rules, what is derived from them per op,
+    the decisions, the fallback warnings given, and the observers."""
+
+    def __init__(self) -> None:
+        self.rules: dict[Any, Callable] = {}  # op or overload packet -> rule (`register`)
+        # (predicate, rule): ops with no rule of their own for which predicate(op) holds
+        # take rule (torch's pointwise tag, say), in the order registered
+        self.rules_when: list[tuple[Callable[[Any], bool], Any]] = []
+        # the same, taken before the rule of an overload's packet (`aten.add.out` is not
+        # `aten.add`)
+        self.rules_first: list[tuple[Callable[[Any], bool], Any]] = []
+        self.resolved: dict = {}  # op -> its rule, found once (`_resolve`)
+        # List ops: their rule (`sbp.ops.optim.list_rule`, or their own) takes their
+        # arguments as they are and checks them (no decision cache: a key over hundreds of
+        # tensors would cost more than it saves; no single placement: a pipeline's stages
+        # may share one list).
+        self.list_ops: set = set()
+        # (predicate, rule) of the list ops (`register_list_ops`: sbp.ops.optim's)
+        self.list_ops_rule: tuple[Callable[[Any], bool], Callable] = (lambda func: False, None)
+        # decisions by key (`scan`), least recently used first, at most CACHE_SIZE
+        self.cache: OrderedDict = OrderedDict()
+        self.warned: set[str] = set()  # ops whose fallback was warned about
+        # Watchers of every op (the data-parallel fast path's checking pass): objects with
+        # direct(func, decision), strategy(func, rule, global inputs, decision, what the
+        # rule's check returned: an IndexLimit or None), custom(func, args) (true where it
+        # takes that op as a whole: the ops its rule runs are then not watched), and
+        # write(g, items, value) for `g[items] = value` (sbp.ops.setitem). The last one
+        # added watches.
+        self.observers: list = []
+
+    @contextlib.contextmanager
+    def watching(self, observer: Any) -> Any:
+        """Inside, `observer` watches every op (see `observers`)."""
+        self.observers.append(observer)
+        try:
+            yield observer
+        finally:
+            self.observers.remove(observer)
+
+
+DISPATCHER = Dispatcher()
+watching = DISPATCHER.watching
+# The same objects under the module's names: the hot path reads a module global, not an
+# attribute of one (and `registry.observers` is what watchers have used).
+_rules, _rules_when, _rules_first = DISPATCHER.rules, DISPATCHER.rules_when, DISPATCHER.rules_first
+_resolved, _list_ops, _cache = DISPATCHER.resolved, DISPATCHER.list_ops, DISPATCHER.cache
+_warned, observers = DISPATCHER.warned, DISPATCHER.observers
 
 
 @dataclass(frozen=True)
@@ -128,7 +187,6 @@ class IndexLimit:
     def check(self, index: Any = None) -> None:
         """Raise `IndexRangeError` where the known range of `index` (default: the one seen)
         leaves [0, limit); unknown ranges pass."""
-        from sbp.tensor import known_range
 
         bounds = known_range(self.index if index is None else index)
         if bounds is not None and (bounds[0] < 0 or bounds[1] >= self.limit):
@@ -151,7 +209,7 @@ def indices_within(index: tuple[int, str], size: Callable[[list], int]) -> Calla
 
     def check(func, args: tuple, kwargs: dict) -> IndexLimit | None:
         full = schema_args(func, args, kwargs)
-        if not isinstance(full[pos], _global_type()):
+        if not isinstance(full[pos], GlobalTensor):
             return None
         found = IndexLimit(func.overloadpacket.__name__, name, full[pos], size(full))
         found.check()
@@ -198,15 +256,6 @@ def register_strategy(
     return deco
 
 
-# (predicate, rule): ops with no rule of their own for which predicate(op) holds take rule
-# (torch's pointwise tag, say), in the order registered
-_rules_when: list[tuple[Callable[[Any], bool], Any]] = []
-
-
-# the same, taken before the rule of an overload's packet (`aten.add.out` is not `aten.add`)
-_rules_first: list[tuple[Callable[[Any], bool], Any]] = []
-
-
 def register_when(predicate: Callable[[Any], bool], strategy: bool = False, first: bool = False):
     """Decorator for a rule, `fn(func, args, kwargs)` (or with `strategy`, a candidates
     function): ops with no rule of their own for which `predicate(op)` holds run by it (a
@@ -221,281 +270,22 @@ def register_when(predicate: Callable[[Any], bool], strategy: bool = False, firs
     return deco
 
 
-_PLAIN = ("plain",)  # the tree of positional-only calls with no list arguments
-
-
-def flatten(args: tuple, kwargs: dict) -> tuple[list, tuple]:
-    """Leaves of an aten call's arguments (lists nest one level at most) and how to rebuild them.
-
-    torch's pytree costs tens of microseconds per call; this is the hot path of every op.
-    """
-    leaves: list = []
-    shape = []
-    for a in args:
-        if type(a) is list or type(a) is tuple:
-            shape.append((type(a), len(a)))
-            leaves.extend(a)
-        else:
-            shape.append(None)
-            leaves.append(a)
-    if kwargs:
-        leaves.extend(kwargs.values())
-    elif not any(shape):
-        return leaves, _PLAIN
-    return leaves, (tuple(shape), tuple(kwargs))
-
-
-def unflatten(leaves: list, spec: tuple) -> tuple[tuple, dict]:
-    if spec is _PLAIN:
-        return tuple(leaves), {}
-    shape, keys = spec
-    args, i = [], 0
-    for entry in shape:
-        if entry is None:
-            args.append(leaves[i])
-            i += 1
-        else:
-            kind, n = entry
-            args.append(kind(leaves[i : i + n]))
-            i += n
-    return tuple(args), dict(zip(keys, leaves[i:], strict=True))
-
-
-# The output tree of an op that returns nothing (`aten._linalg_check_errors`): its local
-# call returns None, its global one too.
-NO_RETURNS = (tuple, 0)
-
-
-def flatten_outputs(out: Any, spec: Any = None) -> tuple[list, Any]:
-    """The output leaves of a local call, and their tree (`spec`: the op's, where known)."""
-    if spec == NO_RETURNS:
-        return [], spec
-    if type(out) is list or type(out) is tuple:
-        return list(out), (type(out), len(out))
-    return [out], None
-
-
-def unflatten_outputs(leaves: list, spec: Any) -> Any:
-    if spec == NO_RETURNS:
-        return None
-    return leaves[0] if spec is None else spec[0](leaves)
-
-
-_GT: list = []
-_TH: list = []
-
-
-def _tensor_helpers():
-    """(GlobalTensor, box), imported once: a function-level import costs ~0.6 us per call."""
-    if not _TH:
-        from sbp.tensor import GlobalTensor, box
-
-        _TH.extend((GlobalTensor, box))
-    return _TH
-
-
-def _global_type():
-    if not _GT:
-        from sbp.tensor import GlobalTensor
-
-        _GT.append(GlobalTensor)
-    return _GT[0]
-
-
-# Ops whose local integer tensors are constants (indices), not data to be placed.
-LOCAL_INDEX_OPS: set = set()
-
-
-# Ops whose 0-dim local tensors are state every rank keeps equal (the step counts of a
-# fused optimizer), not data to be placed.
-LOCAL_STATE_OPS: set = set()
-
-
-# The step of each optimizer with global parameters, as (id, code) of the frame that runs
-# it (`note_optimizer_step`): while it is on the stack, its 0-dim local tensors (ASGD's eta,
-# the zero Rprop writes through a mask) are state every rank computes alike. A pair and
-# not the frame, so nothing is kept alive; a finished step's frame is off the stack, and
-# an id a later frame of the same code reuses is again an optimizer step.
-_optimizer_steps: dict[int, tuple[int, Any]] = {}
-
-
-def note_optimizer_step(optimizer_id: int, frame) -> None:
-    """Called as an optimizer's step starts, with the frame that runs the step."""
-    _optimizer_steps[optimizer_id] = (id(frame), frame.f_code)
-
-
-def _inside_optimizer_step() -> bool:
-    if not _optimizer_steps:
-        return False
-    running = set(_optimizer_steps.values())
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (id(frame), frame.f_code) in running:
-            return True
-        frame = frame.f_back
-    return False
-
-
-# Ops whose Python-number operands torch's C++ wraps into 0-dim tensors before they reach
-# sbp (`torch.where(c, x, 0.0)`, and the `where` inside `logdet`): a 0-dim local tensor
-# there is a number the caller wrote, as in `x + 0.5`.
-NUMBER_OPERAND_OPS = frozenset({torch.ops.aten.where.self})
-
-
-def trusted_constant(func) -> bool:
-    """May a 0-dim local tensor join global ones in `func`? In torch's backward formulas
-    (0-dim zeros in clamp's, say), in LOCAL_STATE_OPS and NUMBER_OPERAND_OPS and inside
-    an optimizer's step."""
-    return (
-        torch._C._current_graph_task_id() >= 0
-        or func.overloadpacket in LOCAL_STATE_OPS
-        or func in NUMBER_OPERAND_OPS
-        or _inside_optimizer_step()
-    )
-
-
-# Ops into which torch's backward formulas put a gradient together with a local tensor
-# they make from shapes alone: a buffer of the logical shape that a gradient is scattered
-# or filled into (zeros, in max.dim's backward in torch 2.11; trace's flat zeros and
-# diagonal indices), or ones joined to the input (prod's exclusive cumulative products), or
-# zeros written where `y[idx] = v` wrote (index_put's backward).
-FORMULA_BUFFER_OPS = frozenset(
-    {
-        torch.ops.aten.scatter,
-        torch.ops.aten.index_fill,
-        torch.ops.aten.cat,
-        torch.ops.aten.stack,  # (unbind's backward: zeros for the unused parts)
-        torch.ops.aten.index_put,
-        # (the backward of slice_scatter and kin: zeros where src was)
-        torch.ops.aten.slice_scatter,
-        torch.ops.aten.select_scatter,
-        torch.ops.aten.diagonal_scatter,
-    }
-)
-
-
-def formula_buffer(func, a: torch.Tensor) -> bool:
-    """Is the local tensor `a` the buffer a backward formula made (see FORMULA_BUFFER_OPS)?
-    Every rank makes it alike, so it joins the global tensors as their broadcast value."""
-    return (
-        func.overloadpacket in FORMULA_BUFFER_OPS
-        and not a.requires_grad
-        and torch._C._current_graph_task_id() >= 0
-    )
-
-
-def scan(func, flat: list, tree: tuple = _PLAIN) -> tuple[tuple, list[int]]:
-    """One pass over the arguments: check placements, find the global tensors, and build the
-    decision-cache key (everything but floats and tensor values, so per-step scalars such as
-    a learning rate never miss the cache). Mixing global and local tensors, or placements, is
-    an error naming the op. The key holds the arguments' `tree` (`sum(x, [0], True)` and
-    `sum(x, [0, 1])` flatten alike) and tells booleans from the integers equal to them."""
-    GT = _global_type()
-    placement = None
-    key: list = [func, tree]
-    gpos: list[int] = []
-    implicit: list[int] = []  # local tensors taken as broadcast under implicit_replication()
-    for i, a in enumerate(flat):
-        if isinstance(a, GT):
-            if a._copy_of is not None:  # (its base written since? taken again)
-                fresh(a)
-            spec = a._spec
-            if placement is None:
-                placement = spec.placement
-            elif spec.placement is not placement and spec.placement != placement:
-                raise PlacementError(
-                    f"{func}: inputs are on different placements: {placement!r} and "
-                    f"{spec.placement!r}"
-                )
-            gpos.append(i)
-            key.append(spec)
-            if a.requires_grad:  # (decisions price the gradient's conversions: `_decide`)
-                key.append(True)
-        elif isinstance(a, torch.Tensor):
-            # A 0-dim local tensor too: its value may differ per rank (rank 0 holds 2.0,
-            # rank 1 3.0), so taking it as broadcast would give silently different results.
-            # Python scalars are the values every rank is trusted to agree on, and so are
-            # the 0-dim constants of torch's backward formulas (zeros in clamp's, say).
-            if not (func in LOCAL_INDEX_OPS and not a.is_floating_point()) and not (
-                a.dim() == 0 and not a.requires_grad and trusted_constant(func)
-            ):
-                # sbp.global_mode / implicit_replication, or a backward formula's buffer
-                if local_constants.replicating() or formula_buffer(func, a):
-                    implicit.append(i)
-                    key.append(None)
-                    continue
-                if i == 0 and _writes_first(func):
-                    raise PlacementError(_written_local_message(func, a))
-                raise PlacementError(
-                    f"{func}: mixes global tensors with a local torch.Tensor of shape "
-                    f"{tuple(a.shape)}; make it global first (x.to_global(placement, sbp)), "
-                    "or pass a Python number (t.item()) for a 0-dim constant; a tensor that "
-                    "model code makes itself (torch.empty, arange, torchvision's stochastic "
-                    "depth) is global under `with sbp.global_mode(placement):`"
-                )
-            key.append(("t", tuple(a.shape), a.dtype, scalar_class(a)))
-        elif type(a) is float:
-            # (scalar_class's test inline: every float argument of every op comes here)
-            key.append(float if a and a - a == 0 else (float, scalar_class(a)))
-        elif type(a) is bool:
-            key.append((bool, a))
-        else:
-            key.append(a)
-    if implicit:
-        local_constants.replicate_locals(func, flat, implicit, key, gpos, placement)
-    return tuple(key), gpos
-
-
-def _writes_first(func) -> bool:
-    """Does `func` write its first argument (`copy_`, `add_`, an `out=` op's self)?"""
-    from sbp.tensor import written_args
-
-    return any(i == 0 for i, _ in written_args(func))
+def register_list_ops(predicate: Callable[[Any], bool], rule: Callable) -> None:
+    """Ops for which `predicate(op)` holds are list ops, run by `rule` unless they have
+    their own (see `Dispatcher.list_ops`)."""
+    DISPATCHER.list_ops_rule = (predicate, rule)
 
 
 def _writes_any(func) -> bool:
     """Does `func` write any argument?"""
-    from sbp.tensor import written_args
-
     return bool(written_args(func))
-
-
-def _written_local_message(func, a: torch.Tensor) -> str:
-    """The local tensor is the one written, global values written into it: most often a
-    plain model loading a global model's state dict, whose own parameter it is."""
-    return (
-        f"{func}: writes a global tensor into a local torch.Tensor of shape {tuple(a.shape)} "
-        "(the tensor written is the local one: a plain model's parameter where "
-        "plain_model.load_state_dict(global_model.state_dict()) loads it); make the model "
-        "global first (model.to_global(placement, sbp), then load_state_dict), or load plain "
-        "values (sbp.checkpoint.full_state_dict(global_model), or g.full_tensor() for one "
-        "tensor)"
-    )
-
-
-def scalar_class(v: Any) -> str | None:
-    """ "zero" or "not finite" for a scalar (a Python number, or a 0-dim CPU tensor of floats:
-    a wrapped number, read without a device sync), else None. Rules may depend on it (a
-    partial sum scaled by it stays partial only where it is finite, and nonzero to divide
-    by), so the decision cache keys on it."""
-    if isinstance(v, torch.Tensor):
-        if v.dim() or v.device.type != "cpu" or not (v.is_floating_point() or v.is_complex()):
-            return None
-        v = v.item()
-    if v - v != 0:
-        return "not finite"
-    return "zero" if v == 0 else None
-
-
-_resolved: dict = {}
 
 
 def _resolve(func):
     """The rule of `func` (a StrategyRule or a function), looked up once per op."""
     rule = _resolved.get(func)
     if rule is None:
-        from sbp.ops.optim import is_list_op, list_rule
-
+        is_list_op, list_rule = DISPATCHER.list_ops_rule
         rule = _rules.get(func)
         if rule is None:
             rule = next((r for applies, r in _rules_first if applies(func)), None)
@@ -509,20 +299,6 @@ def _resolve(func):
             _list_ops.add(func)
         _resolved[func] = rule
     return rule
-
-
-# List ops: their rule (`sbp.ops.optim.list_rule`, or their own) takes their arguments as they
-# are and checks them (no decision cache: a key over hundreds of tensors would cost more than
-# it saves; no single placement: a pipeline's stages may share one list).
-_list_ops: set = set()
-
-
-# Watchers of every op (the data-parallel fast path's checking pass, sbp.nn.data_parallel):
-# objects with direct(func, decision), strategy(func, rule, global inputs, decision, what
-# the rule's check returned: an IndexLimit or None),
-# custom(func, args) (true where it takes that op as a whole: the ops its rule runs are
-# then not watched), and write(g, items, value) for `g[items] = value` (sbp.setitem).
-observers: list = []
 
 
 # Ops whose output is a new view of the input's local tensor in the same layout: run at
@@ -541,7 +317,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
     if func in _SAME_LAYOUT_VIEWS:
         g = args[0]
-        out = _global_type()(func._op(g._local), g._spec)
+        out = GlobalTensor(func._op(g._local), g._spec)
         if g._copy_of is not None:  # a view of a copy: writes go on up
             mark_view(func, args, kwargs, [out], False, False)
         return out
@@ -555,7 +331,7 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
     flat, tree = flatten(args, kwargs)
     if converted.any_kept() and not observers and type(rule) is StrategyRule:
         if not (is_view(func) or is_inplace(func) or _writes_any(func)):
-            flat = converted.at_hand(flat, _global_type())
+            flat = converted.at_hand(flat, GlobalTensor)
     key, gpos = scan(func, flat, tree)
     padded = bool(_padded) and any(_is_padded(flat[i]) for i in gpos)
     if padded:
@@ -570,12 +346,12 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
             observers[-1].direct(func, d)
         # Cached and nothing to move: run the aten kernel on the locals (func._op skips
         # OpOverload.__call__) and wrap; ~6 us less per op than the general path.
-        GT = _global_type()
+        GT = GlobalTensor
         local = [a._local if type(a) is GT else a for a in flat]
         if d.direct_inplace:
             _unshare_sources(local)
         copied = False
-        if tree is _PLAIN:
+        if tree is PLAIN:
             out = func._op(*local)
         else:
             largs, lkwargs = unflatten(local, tree)
@@ -606,7 +382,7 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
             observers.append(watcher)
     else:
         out = rule(func, args, kwargs)
-    if is_inplace(func) and type(args[0]) is _global_type():
+    if is_inplace(func) and type(args[0]) is GlobalTensor:
         written(args[0])  # (a view sbp had to copy passes the write on to its base)
     return out
 
@@ -646,8 +422,6 @@ def local_view(func, largs: tuple, lkwargs: dict) -> Any:
 
 
 def _outputs_on_meta(func, args, kwargs):
-    from sbp.ops.meta import outputs
-
     return outputs(func, args, kwargs)
 
 
@@ -898,12 +672,8 @@ def run_strategy(
 def _run_strategy(
     rule: StrategyRule, func, flat: list, tree: tuple, key: tuple, gpos: list, padded: bool
 ) -> Any:
-    GlobalTensor, box = _tensor_helpers()
-
     d = _cache.get(key)
     if d is None:
-        from sbp.ops.meta import NoMeta, run_data_dependent
-
         args, kwargs = unflatten(flat, tree)
         try:
             specs = [flat[i]._spec for i in gpos]
@@ -959,8 +729,6 @@ def _run_strategy(
                 args, kwargs = unflatten(flat, tree)
                 leaves = rule.post(func, args, kwargs, leaves, d.in_specs, d.out_specs)
     else:
-        from sbp.boxing.executor import empty_local
-
         leaves = [None if s is None else empty_local(s) for s in d.out_specs]
     if inplace:
         self_ = flat[gpos[0]]
@@ -979,6 +747,36 @@ def _run_strategy(
     args, kwargs = unflatten(flat, tree)
     mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
+
+
+def run_data_dependent(func, flat: list, tree: Any, gpos: list[int]) -> Any:
+    """An op whose output shape depends on the data: run it on broadcast inputs, every output
+    broadcast, shapes taken from the result (one small exchange tells ranks outside)."""
+    P = flat[gpos[0]]._spec.placement
+    nd = (broadcast,) * P.ndim
+    inside = env.get_rank() in P
+    local = list(flat)
+    for i in gpos:
+        local[i] = rebox(flat[i], nd)._local
+    if inside:
+        args, kwargs = unflatten(local, tree)
+        out = func(*args, **kwargs)
+    else:
+        out = None
+    is_seq = isinstance(out, (list, tuple))
+    leaves = list(out) if is_seq else [out]
+    metas = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
+    metas = outside_ranks_learn(P, metas, inside)
+    if not inside:
+        leaves = [None if m is None else empty_local(GlobalSpec(P, nd, m[0], m[1])) for m in metas]
+        is_seq = len(leaves) != 1
+    wrapped = [
+        GlobalTensor(t, GlobalSpec(P, nd, m[0], m[1])) if m is not None else t
+        for t, m in zip(leaves, metas, strict=True)
+    ]
+    if not is_seq:
+        return wrapped[0]
+    return type(out)(wrapped) if out is not None else tuple(wrapped)
 
 
 def _unshare_sources(local: list) -> None:
@@ -1021,7 +819,6 @@ def rebox_to(g, spec: GlobalSpec) -> Any:
     """`g` converted to `spec` (its own placement, shape and dtype), as `rebox`."""
     if spec == g._spec:
         return g
-    GlobalTensor, box = _tensor_helpers()
     return GlobalTensor(box(g._local, g._spec, spec), spec)
 
 
@@ -1033,7 +830,6 @@ def without_partials(g) -> Any:
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
     """Uneven splits leave some ranks empty shards, which some kernels reject; when every
     output of this rank is empty, there is nothing to compute."""
-    from sbp.boxing.executor import local_device
 
     shapes = [None if s is None else s.local_shape(rank) for s in out_specs]
     if any(sh is not None and 0 not in sh for sh in shapes) or all(sh is None for sh in shapes):

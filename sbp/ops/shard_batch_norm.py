@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from sbp import env
+from sbp import comm, env
+from sbp.boxing.executor import empty_local
 from sbp.layout import GlobalSpec
 from sbp.ops.batch_norm import _acc, _bn_layout, _locals, _parts
 from sbp.ops.registry import rebox, register, schema_args
 from sbp.signature import broadcast, split, splits_to_partials
+from sbp.tensor import GlobalTensor
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -149,16 +151,12 @@ def _stat_spec(x, stat: Tensor) -> GlobalSpec:
 
 def _outside(specs) -> tuple:
     """A rank outside the placement: empty local tensors."""
-    from sbp.boxing.executor import empty_local
-    from sbp.tensor import GlobalTensor
 
     return tuple(GlobalTensor(empty_local(s), s) for s in specs)
 
 
 @register(torch.ops.sbp.shard_batch_norm.default)
 def shard_batch_norm_rule(func, args, kwargs):
-    from sbp.tensor import GlobalTensor
-
     x, weight, bias, running_mean, running_var, momentum, eps = schema_args(func, args, kwargs)
     nd = _bn_layout(x)
     x = rebox(x, nd)
@@ -187,8 +185,6 @@ def shard_batch_norm_rule(func, args, kwargs):
 
 @register(torch.ops.sbp.shard_batch_norm_backward.default)
 def shard_batch_norm_backward_rule(func, args, kwargs):
-    from sbp.tensor import GlobalTensor
-
     dy, x, weight, mean, invstd, eps = schema_args(func, args, kwargs)
     nd = _bn_layout(x)
     x, dy = rebox(x, nd), rebox(dy, nd)
@@ -216,8 +212,6 @@ def _(tensors):
 def first_rank_values_rule(func, args, kwargs):
     """One broadcast from the placement's first rank of every tensor's local values (one
     collective for all of a model's running statistics), keeping each tensor's spec."""
-    from sbp import comm
-    from sbp.tensor import GlobalTensor
 
     (tensors,) = schema_args(func, args, kwargs)
     placement = tensors[0]._spec.placement

@@ -11,23 +11,24 @@ import math
 
 import torch
 
-from sbp import env, local_constants
+from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.errors import IndexRangeError, PlacementError
+from sbp.ops import arguments
+from sbp.ops.arguments import LOCAL_INDEX_OPS, formula_buffer, trusted_constant
+from sbp.ops.meta import outside_ranks_learn
 from sbp.ops.registry import (
-    LOCAL_INDEX_OPS,
     Call,
     Strategy,
-    formula_buffer,
     indices_within,
     local_view,
     rebox,
     register,
     register_strategy,
-    trusted_constant,
 )
-from sbp.ops.writes import assign
+from sbp.ops.writes import assign, mark_view
 from sbp.signature import broadcast, partial_sum, split
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 
@@ -344,8 +345,6 @@ def _masks_as_integers(given: list, local_idx: list, placement) -> list:
     A rank outside the placement holds no values of a global mask (`given`): it learns how
     many positions each has from the placement's first rank (every rank calls, SPMD), and
     takes that many zeros, which is all the output's shape needs there."""
-    from sbp.ops.meta import outside_ranks_learn
-    from sbp.tensor import GlobalTensor
 
     inside = env.get_rank() in placement
     out: list = []
@@ -392,8 +391,6 @@ def complex_view(func, args, kwargs):
     no order), are gathered first. The local view of a local
     tensor whose pairs are not adjacent in memory (an expanded gradient) is taken of a
     contiguous copy (`local_view`), as for a reshape."""
-    from sbp.ops.writes import mark_view
-    from sbp.tensor import GlobalTensor
 
     g = args[0]
     spec = g._spec
@@ -426,7 +423,6 @@ def index(func, args, kwargs):
     """Advanced indexing with global or local (constant) integer indices: on the indices'
     whole values, with x split where a dim it does not index is (`input_ids[:, [-1, 0]]`
     of a split batch), else broadcast (or a partial sum: indexing is linear)."""
-    from sbp.tensor import GlobalTensor
 
     x, indices = args[0], args[1]
     allb = (broadcast,) * len(x.sbp)
@@ -462,7 +458,6 @@ def index_put(func, args, kwargs):
     """Writing `values` at indices: linear in self and values, so both become partial where
     either is, else broadcast. (The backward of `y[idx] = v` writes zeros made of the
     logical shape there: a broadcast value, see FORMULA_BUFFER_OPS.)"""
-    from sbp.tensor import GlobalTensor
 
     x, indices, values = args[0], args[1], args[2]
     if not isinstance(values, GlobalTensor):  # (integer values pass scan as indices do)
@@ -471,7 +466,7 @@ def index_put(func, args, kwargs):
                 f"{func}: values is a local tensor of shape {tuple(values.shape)}; make it "
                 "global first (values.to_global(placement, sbp)), or pass a Python number"
             )
-        values = local_constants.as_broadcast(values, x._spec.placement)
+        values = arguments.as_broadcast(values, x._spec.placement)
     nd = tuple(
         partial_sum if a.is_partial or b.is_partial else broadcast
         for a, b in zip(x.sbp, values.sbp, strict=True)

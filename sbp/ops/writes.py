@@ -19,6 +19,9 @@ import torch
 
 from sbp import env
 from sbp.comm.functional import tracing
+from sbp.errors import SbpSignatureError
+from sbp.ranges import COPIED_VIEWS, forget_range, global_writes
+from sbp.tensor import GlobalTensor, box
 
 aten = torch.ops.aten
 
@@ -38,7 +41,7 @@ class CopyOf:
     view's local memory (`as_shown`, `x.set_(view)`), so one refresh serves them all.
 
     Two counts tell a write into the base's local memory: the writes through global
-    tensors on its storage (`sbp.tensor.forget_range`, counted by every rank for every
+    tensors on its storage (`sbp.ranges.forget_range`, counted by every rank for every
     in-place op: SPMD), and the local tensor's own version, which moves where it is
     written outside sbp's dispatcher (an optimizer's step on the locals,
     `x.to_local().add_(1)`; inside the dispatcher writes into local tensors move no
@@ -51,14 +54,11 @@ class CopyOf:
         self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
         self.version = None
         if shown is not None:
-            from sbp.tensor import COPIED_VIEWS
-
             COPIED_VIEWS[0] = True  # (from now on every write is counted)
             self.version = self.versions()
 
     def versions(self) -> tuple:
         """The base's counts of writes now."""
-        from sbp.tensor import global_writes
 
         local = self.base._local
         return global_writes(local), None if local.is_inference() else local._version
@@ -179,7 +179,6 @@ def as_shown(x) -> Any:
     """A global tensor holding what `x` shows now (its local tensor, spec, and base). A copied
     view remembers it, not `x`: `x` may later show other data (`x.t_()`, `x.set_(y)`), while
     the view goes on showing its part of the old, as a torch view keeps its storage."""
-    from sbp.tensor import GlobalTensor
 
     shown = GlobalTensor(x._local, x._spec)
     shown._copy_of = x._copy_of
@@ -192,8 +191,6 @@ def written(g) -> Any:
     record = g._copy_of
     if record is None:
         return g
-    from sbp.errors import SbpSignatureError
-    from sbp.tensor import forget_range
 
     base, part = record.base, record.part
     if base is None:
@@ -239,8 +236,6 @@ def fresh(g) -> None:
     if version == record.version:
         return
     if record.part is not ALIASED:  # (an alias shares its base's memory: nothing to copy)
-        from sbp.tensor import box, forget_range
-
         with torch.no_grad():
             new = record.remake()
             value = new._local if new._spec == g._spec else box(new._local, new._spec, g._spec)
@@ -264,7 +259,6 @@ def _write_over(local: torch.Tensor, value: torch.Tensor) -> bool:
 
 def assign(g, local: torch.Tensor, spec) -> None:
     """Make `local` (laid out as `spec`) `g`'s value in `g`'s own layout and local tensor."""
-    from sbp.tensor import box
 
     if spec != g._spec:  # (decided from the specs, alike on every rank: the boxing to
         # `spec` may have handed one rank `g`'s own local tensor back, broadcast to partial)

@@ -17,6 +17,12 @@ from typing import Any
 
 import torch
 
+from sbp.errors import PlacementError
+from sbp.ops import registry
+from sbp.ops.arguments import as_broadcast
+from sbp.ops.writes import write_part, written
+from sbp.tensor import GlobalTensor
+
 
 def _expand(index: Any, ndim: int) -> list | None:
     """The index as one int or slice per dim, or None for what this module does not handle."""
@@ -38,10 +44,6 @@ def _expand(index: Any, ndim: int) -> list | None:
 
 def setitem(g, index: Any, value: Any) -> bool:
     """Write `value` into the logical slice `index` of `g`; False when torch's path must do it."""
-    from sbp.errors import PlacementError
-    from sbp.ops import registry
-    from sbp.ops.writes import write_part, written
-    from sbp.tensor import GlobalTensor
 
     items = _expand(index, g.dim())
     grads = torch.is_grad_enabled() and (
@@ -70,7 +72,6 @@ def setitem(g, index: Any, value: Any) -> bool:
 def number_as_global(g, value: Any) -> Any:
     """A Python number to write into `g` by torch's path, as the broadcast global 0-dim
     tensor of `g`'s dtype torch would otherwise make local; any other value as it is."""
-    from sbp.local_constants import as_broadcast
 
     if not isinstance(value, (bool, int, float, complex)):
         return value
