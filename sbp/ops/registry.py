@@ -12,10 +12,8 @@ learning rate never miss the cache. Ops with no rule fall back to broadcast.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import functional, stats
 from sbp.errors import IndexRangeError
 from sbp.layout import GlobalSpec
-from sbp.ops import converted
+from sbp.ops import converted, pricing
 from sbp.ops.arguments import (  # noqa: F401 - note_optimizer_step: sbp.optim_step's
     PLAIN,
     flatten,
@@ -309,8 +307,8 @@ _SAME_LAYOUT_VIEWS = frozenset((torch.ops.aten.detach.default, torch.ops.aten.al
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     out = _dispatch_op(func, args, kwargs)
-    if _padded and any(_is_padded(a) for a in flatten(args, kwargs)[0]):
-        _mark_padded(*flatten_outputs(out))  # (whatever ran it: views, custom rules)
+    if pricing.PADDED and any(pricing.is_padded(a) for a in flatten(args, kwargs)[0]):
+        pricing.mark_padded(*flatten_outputs(out))  # (whatever ran it: views, custom rules)
     return out
 
 
@@ -333,7 +331,7 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
         if not (is_view(func) or is_inplace(func) or _writes_any(func)):
             flat = converted.at_hand(flat, GlobalTensor)
     key, gpos = scan(func, flat, tree)
-    padded = bool(_padded) and any(_is_padded(flat[i]) for i in gpos)
+    padded = bool(pricing.PADDED) and any(pricing.is_padded(flat[i]) for i in gpos)
     if padded:
         key = (key, "padded")
     if torch._C._current_autograd_node() is not None:  # backward decides otherwise
@@ -440,7 +438,7 @@ class Decision:
     direct_inplace: bool = False  # writes its first argument, whose layout stays (an optimizer's)
     write_back: bool = False  # in place, but no candidate keeps the layout: re-box, copy in
     view: bool = False  # returns views of its first argument (sbp.ops.writes)
-    pads: bool = False  # partial outputs are splits in disguise (`_padded`)
+    pads: bool = False  # partial outputs are splits in disguise (`pricing`)
 
 
 def _per_dim_candidates(func, candidates: list, self_spec: GlobalSpec) -> tuple[list, bool]:
@@ -479,83 +477,6 @@ def _sums_stay_sums(candidate: Strategy, specs: list[GlobalSpec], metas: list) -
     )
 
 
-# Partial sums that are splits in disguise: a split input boxed to a partial sum (zeros
-# around each rank's part; free, so a view merging a split dim into an outer one takes it:
-# a sequence-first batch's (seq, batch) rows) and the partial outputs of ops on them. They
-# are resolved into the split again where needed (a data-parallel batch stays split, its
-# dropout masks those of the fast path's local run), so the pricing that takes a partial
-# sum for a sum needed whole (`_gradient_plan`, `_gathered_again`) leaves them out. Weak:
-# an entry goes with its tensor. Decisions on them are keyed apart (`dispatch`).
-_padded: dict[int, Any] = {}  # id(tensor) -> a weak reference to it
-
-
-def _mark_padded(outputs: list, _tree: Any = None) -> None:
-    for t in outputs:
-        spec = getattr(t, "_spec", None)
-        if spec is not None and id(t) not in _padded and any(s.is_partial for s in spec.nd_sbp):
-            _padded[id(t)] = weakref.ref(t, functools.partial(_unmark, id(t)))
-
-
-def _unmark(key: int, _ref: Any = None) -> None:
-    _padded.pop(key, None)
-
-
-def _is_padded(t: Any) -> bool:
-    ref = _padded.get(id(t))
-    return ref is not None and ref() is t
-
-
-def _gradient_plan(src: GlobalSpec, req: GlobalSpec) -> Any:
-    """The plan of the gradient's way back through the conversion `src -> req`, or None
-    where it is free. The gradient arrives laid out as `req` (a partial sum's gradient is
-    whole) and must leave as `src` needs it: whole for a partial sum, as split for a split;
-    a broadcast input takes it as it comes (partial sums included). So resolving a partial
-    by a reduce-scatter, cheaper than an all-reduce at that op, is priced with the
-    all-gather its gradient then needs: a partial is resolved where it pays, not where it
-    is cheapest forward (issue 51)."""
-    arriving = tuple(broadcast if s.is_partial else s for s in req.nd_sbp)
-    needed = tuple(
-        broadcast if s.is_partial else (a if s.is_broadcast else s)
-        for s, a in zip(src.nd_sbp, arriving, strict=True)
-    )
-    if arriving == needed:
-        return None
-    return plan_specs(req._replace(nd_sbp=arriving), src._replace(nd_sbp=needed))
-
-
-def _gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
-    """Where a candidate in backward resolves an input's partial sum into a split (a
-    reduce-scatter, cheaper than an all-reduce at this op), the plans that gather its
-    outputs split there back to whole: a gradient that is a sum of the ranks' parts flows
-    on to the gradients of whole forward values (the residual stream of a
-    tensor-parallel block), and the split would only move the other half of the
-    all-reduce to a later op. Resolving straight to broadcast then costs as much and runs
-    one collective, not two. Forward needs no such guess: the gradient's own conversion
-    is priced (`_gradient_plan`), and a partial there may be a split in disguise (a view
-    merging a split dim into an outer one), which a data-parallel batch keeps split."""
-    dims = {
-        h
-        for s, r in zip(specs, req, strict=True)
-        for h, (a, b) in enumerate(zip(s.nd_sbp, r.nd_sbp, strict=True))
-        if a.is_partial and b.is_split
-    }
-    if not dims:
-        return []
-    P = specs[0].placement
-    plans, k = [], 0
-    for m in metas:
-        if m is None:
-            continue
-        nd = tuple(c.outputs[k] for c in combo)
-        k += 1
-        if any(nd[h].is_split for h in dims):
-            whole = tuple(broadcast if h in dims and s.is_split else s for h, s in enumerate(nd))
-            plans.append(
-                plan_specs(GlobalSpec(P, nd, m[0], m[1]), GlobalSpec(P, whole, m[0], m[1]))
-            )
-    return plans
-
-
 def _decide(
     rule: StrategyRule,
     func,
@@ -582,10 +503,10 @@ def _decide(
         plans += [
             p
             for s, r, g in zip(specs, req, grads, strict=True)
-            if g and not padded and s != r and (p := _gradient_plan(s, r)) is not None
+            if g and not padded and s != r and (p := pricing.gradient_plan(s, r)) is not None
         ]
         if backward and not padded:
-            plans += _gathered_again(specs, req, metas, combo)
+            plans += pricing.gathered_again(specs, req, metas, combo)
         cost = (sum(p.cost for p in plans), sum(len(p.steps) for p in plans))
         if best_cost is None or cost < best_cost:
             best, best_cost = (combo, req), cost
@@ -738,12 +659,12 @@ def _run_strategy(
     if not d.view:
         wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
         if d.pads:
-            _mark_padded(wrapped)
+            pricing.mark_padded(wrapped)
         return unflatten_outputs(wrapped, d.out_tree)
     with view_wrappers(flat[gpos[0]]):
         wrapped = _wrapped(GlobalTensor, leaves, d.out_specs)
     if d.pads:
-        _mark_padded(wrapped)
+        pricing.mark_padded(wrapped)
     args, kwargs = unflatten(flat, tree)
     mark_view(func, args, kwargs, wrapped, d.in_specs[0] != flat[gpos[0]]._spec, copied)
     return unflatten_outputs(wrapped, d.out_tree)
