@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"step {step} loss {value!r}", flush=True)
 
-    if rank == 0:  # "fast": on the local shards (sbp/nn/fast_path.py), "per-op": op by op
+    if rank == 0:  # "fast": on the local shards (sbp/data_parallel/), "per-op": op by op
         print(f"training ran {sbp.nn.fast_path.state(model).last_path}", flush=True)
 
     # 1.6 save the trained model (plain tensors, from rank 0) and load it back

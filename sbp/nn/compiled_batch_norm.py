@@ -1,6 +1,6 @@
 """Logical BatchNorm (`batch_norm="global"`) inside a compiled local forward.
 
-The eager local run intercepts each BatchNorm call (`sbp.nn.fast_path._Run.batch_norm`)
+The eager local run intercepts each BatchNorm call (`sbp.data_parallel.families.batch_norm`)
 and computes the logical batch's statistics with an autograd function of its own. A
 forward compiled by torch.compile cannot be intercepted per call (a module's forward
 replaced for every call would fail Dynamo's guards, and recompile), so the BatchNorm

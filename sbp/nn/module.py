@@ -16,7 +16,7 @@ def module_to_global(
     module: torch.nn.Module, placement: Placement, sbp: Any, **kwargs: Any
 ) -> torch.nn.Module:
     """Convert `module` in place (see `sbp.tensor.module_to_global`); a module made broadcast
-    everywhere runs data-parallel calls on local shards (`sbp.nn.fast_path`); recurrent
+    everywhere runs data-parallel calls on local shards (`sbp.data_parallel`); recurrent
     layers start from a global zero state (`sbp.nn.torch_recurrent`)."""
     convert_module(module, placement, sbp, **kwargs)
     torch_recurrent.attach(module)

@@ -1,5 +1,5 @@
 """Library functions that build a row-wise result of the batch, which the data-parallel
-check lets through unjudged (sbp.nn.fast_path).
+check lets through unjudged (sbp.data_parallel).
 
 Some functions look at the whole batch's values only to pick a faster form of a result
 whose rows each depend on their own sample: transformers skips an attention mask where
