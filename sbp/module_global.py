@@ -8,14 +8,12 @@ from typing import Any
 import torch
 
 from sbp.comm import agreement
+from sbp.counters import COUNTS
 from sbp.errors import InputTypeError
 from sbp.local_to_global import LOCAL_OPTIONS, bad_input, local_to_global
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, normalize_nd_sbp
 from sbp.tensor import GlobalTensor
-
-# How many parameters `module.to_global` replaced by new objects (`_converted_parameter`)
-REPLACED = [0]
 
 
 def _converted_parameter(p: torch.Tensor, value: GlobalTensor) -> torch.nn.Parameter:
@@ -29,7 +27,7 @@ def _converted_parameter(p: torch.Tensor, value: GlobalTensor) -> torch.nn.Param
         return p
     new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
     p._sbp_replaced_by = new
-    REPLACED[0] += 1
+    COUNTS.replaced += 1
     return new
 
 

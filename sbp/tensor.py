@@ -22,6 +22,7 @@ from torch._guards import TracingContext
 
 from sbp import boxing, env, gradients, trace
 from sbp.comm import agreement, stats
+from sbp.counters import COUNTS
 from sbp.errors import (
     InputTypeError,
     MetaMismatchError,
@@ -52,7 +53,7 @@ class GlobalTensor(torch.Tensor):
     _waiting_grad: torch.Tensor | None  # (a parameter's: see `grad`)
     _waiting_in: tuple | None  # (a parameter's on one rank: see `grad`)
     _copy_of: Any  # a view's CopyOf, where sbp had to copy it (sbp.ops.writes)
-    _watched: bool  # a cache keeps what it holds: its rebinding counts (`REBINDS`)
+    _watched: bool  # a cache keeps what it holds: its rebinding counts (`COUNTS.rebinds`)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
@@ -78,12 +79,12 @@ class GlobalTensor(torch.Tensor):
         return out
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Counts a rebinding of a watched tensor (`REBINDS`), so that caches over global
+        """Counts a rebinding of a watched tensor (`COUNTS.rebinds`), so that caches over global
         tensors (the data-parallel fast path's parameters, the optimizer's state) know when
         to look again. The waiting gradients, written for every parameter every step, are
         written around it (`object.__setattr__`)."""
         if name in _REBINDING and self._watched:
-            REBINDS[0] += 1
+            COUNTS.rebinds += 1
         elif name == "_watched" and self._watched:
             return  # (watched for good: torch.utils.swap_tensors swaps this slot too)
         super().__setattr__(name, value)
@@ -221,16 +222,16 @@ class GlobalTensor(torch.Tensor):
         return _Box.apply(self, dst, grad)
 
     def register_hook(self, hook):
-        """torch's; counted (`HOOKS_SET`): the data-parallel fast path's local gradients
+        """torch's; counted (`COUNTS.hooks_set`): the data-parallel fast path's local gradients
         would pass a parameter's hooks by."""
         handle = super().register_hook(hook)
-        HOOKS_SET[0] += 1
+        COUNTS.hooks_set += 1
         return handle
 
     def register_post_accumulate_grad_hook(self, hook):
         """torch's; counted as `register_hook` is."""
         handle = super().register_post_accumulate_grad_hook(hook)
-        HOOKS_SET[0] += 1
+        COUNTS.hooks_set += 1
         return handle
 
     def requires_grad_(self, requires_grad: bool = True):
@@ -436,19 +437,7 @@ def _dense_in_order(t: torch.Tensor, memory_format: torch.memory_format) -> bool
     return True
 
 
-# How many gradient hooks were registered on global tensors (sbp's own included)
-HOOKS_SET = [0]
-
-
-# How many times a watched global tensor was rebound: its local tensor, spec, data or class
-# set (`GlobalTensor.__setattr__`), or the one-rank reducer whose leaf holds its gradient
-# (`_waiting_in`, see sbp.gradients). (Not requires_grad: torch's C++ turns it off unseen,
-# as `torch.detach_(p)` does, so the fast path reads it every call.) A
-# cache that checked hundreds of global tensors at one count need not read them again
-# while it holds: nothing else changes what they hold (in-place ops write into the same
-# local tensor). A cache watches what it keeps (`watch`); others, such as the gradients
-# sbp's reduction relabels on every backward op by op, do not move the count.
-REBINDS = [0]
+# (what counts as a rebinding: `sbp.counters.Counters.rebinds`)
 _REBINDING = frozenset(["_local", "_spec", "data", "__class__", "__dict__", "_waiting_in"])
 _SET_LOCAL = GlobalTensor._local.__set__
 _SET_SPEC = GlobalTensor._spec.__set__
@@ -619,7 +608,6 @@ _MOVED = {
     "locals_to_global": "sbp.local_to_global",
     "unsupported_kind": "sbp.local_to_global",
     "module_to_global": "sbp.module_global",
-    "REPLACED": "sbp.module_global",
 }
 
 

@@ -894,7 +894,7 @@ def _rebinding_steps(model, data, P, compiled):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_parameters_rebound_between_steps(request, world, compiled):
     """The fast path and the optimizer keep what they found in the parameters from step to
-    step, and look again only when a global tensor was rebound (`sbp.tensor.REBINDS`):
+    step, and look again only when a global tensor was rebound (`sbp.counters.COUNTS.rebinds`):
     every way torch rebinds a parameter between steps is seen, and training equals one
     process's (a frozen parameter's leaf remade in a world of two raised in backward: the
     kept leaves' hooks returned False for the old reducer). (A world of
@@ -942,7 +942,7 @@ def _switching_steps(data, P):
 def test_the_fast_path_switched_on_between_steps(request, world):
     """Training that switches the fast path on and off between steps equals one process
     (in a world of one, the step would find no gradient if the reducer's claim on the
-    parameters went uncounted: `sbp.tensor.REBINDS`)."""
+    parameters went uncounted: `sbp.counters.COUNTS.rebinds`)."""
     data = _data(steps=5)
 
     def run():

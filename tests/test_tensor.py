@@ -247,16 +247,17 @@ def test_a_local_scatter_buffer_is_trusted_only_inside_backward():
 
 
 def _rebind_counts():
-    from sbp.tensor import REBINDS, watch
+    from sbp.counters import COUNTS
+    from sbp.tensor import watch
 
     Pl = sbp.placement("cpu", [0])
     a, b = (sbp.tensor(torch.full((2,), v), Pl, B) for v in (1.0, 2.0))
     counts = []
 
     def counted(change):
-        before = REBINDS[0]
+        before = COUNTS.rebinds
         change()
-        counts.append(REBINDS[0] - before)
+        counts.append(COUNTS.rebinds - before)
 
     counted(lambda: setattr(a, "_spec", a._spec))  # unwatched: not counted
     watch([a, torch.zeros(1)])  # (plain tensors are passed over)
@@ -272,7 +273,7 @@ def _rebind_counts():
 
 
 def test_a_rebinding_counts_for_watched_global_tensors_only(pool1):
-    """What the fast path's and the optimizer's caches rely on (`sbp.tensor.REBINDS`): a
+    """What the fast path's and the optimizer's caches rely on (`sbp.counters.COUNTS.rebinds`): a
     watched global tensor's local, spec, data or class set moves the count, an unwatched
     one's does not, and a tensor stays watched through swap_tensors."""
     counts, a_watched = pool1.run(_rebind_counts)[0]

@@ -14,6 +14,7 @@ import torch
 
 from sbp import comm, env, gradients, local_constants
 from sbp.comm import arrival
+from sbp.counters import COUNTS
 from sbp.data_parallel import torch_compile
 from sbp.data_parallel.buffers import BufferBroadcast
 from sbp.data_parallel.by_name import (
@@ -28,7 +29,7 @@ from sbp.data_parallel.inputs import _PLAIN_VALUES, Inputs, _numbers_blanked
 from sbp.data_parallel.layout import Layout, _share_spec
 from sbp.data_parallel.local_run import _local_forward, _LocalOps, _Run
 from sbp.data_parallel.reducer import Reducer
-from sbp.data_parallel.slots import SUBMODULES_SET, _EnterLocal, _Slots, _Undo
+from sbp.data_parallel.slots import _EnterLocal, _Slots, _Undo
 from sbp.errors import CommTimeoutError, IndexRangeError, LabelRangeError, MetaMismatchError
 from sbp.layout import GlobalSpec
 from sbp.nn import compiled_batch_norm, outputs, recomputation, row_wise_calls, shard_batch_norm
@@ -371,7 +372,7 @@ class DataParallel:
                         return False
                     found.append((table, name, t, is_param))
         if old is not None and old.same_as(found):  # (a submodule set elsewhere)
-            old.submodules_seen = SUBMODULES_SET[0]
+            old.submodules_seen = COUNTS.submodules_set
             self._slots = old
             return True
         self._slots = _Slots(found)

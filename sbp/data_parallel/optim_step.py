@@ -39,12 +39,13 @@ from typing import Any
 import torch
 
 from sbp import env, gradients, optim_agreement
+from sbp.counters import COUNTS
 from sbp.errors import PlacementError
 from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import REBINDS, REPLACED, GlobalTensor, watch
+from sbp.tensor import GlobalTensor, watch
 
 _GLOBAL_STEP = "_sbp_global_step"  # the optimizer's step before `install`
 _CHOSE_FOREACH = "_sbp_chose_foreach"  # a group's foreach=None made True for the step
@@ -54,7 +55,7 @@ _LOCAL_STATE = "_sbp_local_state"  # (the _GroupSwaps, their locals' state, its 
 _ENTRIES = "_sbp_state_entries"  # (the state, its _entries after the last local step)
 _NO_STATE: dict = {}  # (a parameter's state before its first step; never handed out)
 _ZERO_GRAD = "_sbp_zero_grad"  # the optimizer's zero_grad before `install`
-_REPLACED_SEEN = "_sbp_replaced_seen"  # `tensor.REPLACED` when `repoint` last looked
+_REPLACED_SEEN = "_sbp_replaced_seen"  # `COUNTS.replaced` when `repoint` last looked
 _STATE_SEEN = "_sbp_state_seen"  # the state dict last looked at for plain tensors
 
 
@@ -109,7 +110,10 @@ def repoint(optimizer: torch.optim.Optimizer) -> None:
     plain ones, which nothing uses any more: the model would silently not train). Looked
     for only when parameters were replaced since the last look. State kept for a replaced
     parameter (steps taken before `to_global`) cannot follow it: `PlacementError`."""
-    if torch.compiler.is_compiling() or optimizer.__dict__.get(_REPLACED_SEEN, 0) == REPLACED[0]:
+    if (
+        torch.compiler.is_compiling()
+        or optimizer.__dict__.get(_REPLACED_SEEN, 0) == COUNTS.replaced
+    ):
         return  # (a compiled step: its eager pre-hook run pointed the groups already)
     for group in optimizer.param_groups:
         params = group["params"]
@@ -126,7 +130,7 @@ def repoint(optimizer: torch.optim.Optimizer) -> None:
                     "optimizer (or load its state) after to_global"
                 )
             params[i] = new
-    optimizer.__dict__[_REPLACED_SEEN] = REPLACED[0]
+    optimizer.__dict__[_REPLACED_SEEN] = COUNTS.replaced
 
 
 def install(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -361,7 +365,7 @@ class _GroupSwap:
         params = group["params"]
         watch(params)
         watch(chain.from_iterable(map(dict.values, sts)))
-        self.rebinds = REBINDS[0]  # (`tensor.REBINDS` when all below was last found so)
+        self.rebinds = COUNTS.rebinds  # (`COUNTS.rebinds` when all below was last found so)
         self.group, self.params, self.whole = group, list(params), whole
         self.specs = list(map(_SPEC, params))
         self.bases = list(map(_LOCAL, params))
@@ -424,7 +428,7 @@ class _GroupSwap:
         """Still this group, its parameters, their specs, locals and state tensors?
         (`same_entries`: the state maps every key to the same dict as after the last step.)"""
         params = group["params"]
-        rebinds = REBINDS[0]
+        rebinds = COUNTS.rebinds
         rebound = rebinds != self.rebinds  # (else the same tensors hold what they held)
         if not (
             group is self.group

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from sbp import gradients, random
+from sbp.counters import COUNTS
 from sbp.layout import GlobalSpec
-from sbp.tensor import HOOKS_SET, REBINDS, GlobalTensor, from_local, watch
+from sbp.tensor import GlobalTensor, from_local, watch
 
 
 class _Undo:
@@ -69,14 +70,9 @@ _SPEC, _LOCAL, _REQUIRES_GRAD = (
 _LEAF_VERSIONS = itertools.count(1)
 
 
-# How many submodules any module was given (`model.head = Linear(...)`, `add_module`): the
-# tables a `_Slots` read may then no longer be the module's, though they still hold the
-# same tensors (the old head's). Counted by torch's global registration hook.
-SUBMODULES_SET = [0]
-
-
 def _count_submodule(module: torch.nn.Module, name: str, submodule: Any) -> None:
-    SUBMODULES_SET[0] += 1
+    """torch's global registration hook: `COUNTS.submodules_set`."""
+    COUNTS.submodules_set += 1
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_count_submodule)
@@ -100,27 +96,27 @@ class _Slots:
         self.params = list({id(t): t for _, _, t, is_param in found if is_param}.values())
         self.buffers = [t for _, _, t, is_param in found if not is_param]
         self.version = 0  # which making of the local leaves (unique over all _Slots)
-        self.submodules_seen = SUBMODULES_SET[0]  # when the tables were found
-        self._hooks_seen = -1  # `HOOKS_SET` when the parameters' hooks were last read
+        self.submodules_seen = COUNTS.submodules_set  # when the tables were found
+        self._hooks_seen = -1  # `COUNTS.hooks_set` when the parameters' hooks were last read
         self._hooked: list = []  # the parameters with gradient hooks of the user's then
         self._locals: list = []  # each slot's local tensor when `local` was made
         self._trained: list = []  # each parameter's requires_grad then
         self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (local, leaf)
         self.local: list = []  # per slot, what the local run puts there
-        # `tensor.REBINDS` when the specs were last found the same, and when `local` was
+        # `COUNTS.rebinds` when the specs were last found the same, and when `local` was
         # last found up to date: while it stays, no global tensor can differ (skip reading)
-        self._specs_seen = REBINDS[0]
+        self._specs_seen = COUNTS.rebinds
         self._refreshed = -1
 
     def unchanged(self) -> bool:
         """The same global tensors in the same places, with the same specs? (Module tables
         are written with no hook: they are read every call; a submodule set since may
         have replaced a table.)"""
-        if self.submodules_seen != SUBMODULES_SET[0]:
+        if self.submodules_seen != COUNTS.submodules_set:
             return False
         if not all(map(is_, map(dict.get, self.tables, self.names), self.tensors)):
             return False
-        rebinds = REBINDS[0]
+        rebinds = COUNTS.rebinds
         if rebinds != self._specs_seen:
             if not all(map(is_, map(_SPEC, self.tensors), self.specs)):
                 return False
@@ -132,8 +128,8 @@ class _Slots:
         `register_post_accumulate_grad_hook`)? The local run's gradients go to local leaves
         and would pass it by. (Read again when hooks were registered since; the hooked
         ones are read every call, so a removed hook lets the local runs back.)"""
-        if self._hooks_seen != HOOKS_SET[0]:
-            self._hooks_seen = HOOKS_SET[0]
+        if self._hooks_seen != COUNTS.hooks_set:
+            self._hooks_seen = COUNTS.hooks_set
             self._hooked = [p for p in self.params if gradients.has_user_hooks(p)]
         elif self._hooked:
             self._hooked = [p for p in self._hooked if gradients.has_user_hooks(p)]
@@ -155,7 +151,7 @@ class _Slots:
         `torch.detach_(p)` does.)"""
         with gradients.PLAIN_GETTERS():
             trained = list(map(_REQUIRES_GRAD, self.params))
-        rebinds = REBINDS[0]
+        rebinds = COUNTS.rebinds
         if trained == self._trained and (
             rebinds == self._refreshed
             or (
