@@ -9,7 +9,7 @@ world is checked when a tensor is placed (`check_in_world`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -147,6 +147,13 @@ class placement:  # noqa: N801 - lowercase like OneFlow's and like `torch.device
             c[dim] = i
             out.append(self.rank_at(c))
         return tuple(out)
+
+    def ranks_varying(self, rank: int, dims: Collection[int]) -> tuple[int, ...]:
+        """Ranks that share `rank`'s coordinate on every hierarchy dim not in `dims`, in
+        placement order (`group_ranks` for several dims)."""
+        mine = self.coord(rank)
+        keep = [h for h in range(self.ndim) if h not in dims]
+        return tuple(r for r in self._flat if all(self.coord(r)[h] == mine[h] for h in keep))
 
     def check_in_world(self, world_size: int) -> None:
         """Raise `PlacementError` if any rank is outside a world of `world_size`."""

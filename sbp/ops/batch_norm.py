@@ -363,12 +363,7 @@ class GroupSum:
 def split_group(placement, nd, rank: int) -> tuple[int, ...]:
     """Ranks whose local tensors are parts of the same batch as `rank`'s: those that differ
     from it only on hierarchy dims where `nd` splits (in placement order)."""
-    split_dims = {h for h, s in enumerate(nd) if s.is_split}
-    mine = placement.coord(rank)
-    keep = [h for h in range(len(nd)) if h not in split_dims]
-    return tuple(
-        r for r in placement.flat_ranks if all(placement.coord(r)[h] == mine[h] for h in keep)
-    )
+    return placement.ranks_varying(rank, {h for h, s in enumerate(nd) if s.is_split})
 
 
 # ---------------------------------------------------------------- per-op rules

@@ -36,17 +36,11 @@ aten = torch.ops.aten
 def class_group(spec: GlobalSpec, dim: int) -> tuple[int, ...]:
     """The ranks holding the other slices of this rank's rows: those that differ from it
     only on hierarchy dims that split tensor dim `dim` (this rank alone if none does)."""
-    placement, nd = spec.placement, spec.nd_sbp
-    splitting = {h for h, s in enumerate(nd) if s.is_split and s.dim == dim}
+    splitting = {h for h, s in enumerate(spec.nd_sbp) if s.is_split and s.dim == dim}
     me = env.get_rank()
-    if not splitting or me not in placement:
+    if not splitting or me not in spec.placement:
         return (me,)
-    mine = placement.coord(me)
-    return tuple(
-        r
-        for r in placement.flat_ranks
-        if all(placement.coord(r)[h] == mine[h] for h in range(len(nd)) if h not in splitting)
-    )
+    return spec.placement.ranks_varying(me, splitting)
 
 
 def class_offset(spec: GlobalSpec, dim: int) -> int:
@@ -58,7 +52,7 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     return dim + x.dim() if dim < 0 else dim
 
 
-def _sum_over(t: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.Tensor:
+def _reduce_over(t: torch.Tensor, op: str, ranks: tuple[int, ...]) -> torch.Tensor:
     return collective.all_reduce(t.contiguous(), op, list(ranks))
 
 
@@ -68,9 +62,9 @@ def _log_normaliser(x: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.
         local = x.new_full((*x.shape[:dim], 1, *x.shape[dim + 1 :]), -math.inf)
     else:
         local = torch.logsumexp(x, dim, keepdim=True)
-    top = _sum_over(local, "max", ranks)
+    top = _reduce_over(local, "max", ranks)
     finite = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = _sum_over(torch.exp(local - finite), "sum", ranks)
+    total = _reduce_over(torch.exp(local - finite), "sum", ranks)
     return finite + torch.log(total)
 
 
@@ -102,12 +96,19 @@ def softmax_backward(func, args: tuple, kwargs: dict, in_specs: list[GlobalSpec]
     if len(ranks) == 1:
         return func(*args, **kwargs)
     if func.overloadpacket is aten._log_softmax_backward_data:
-        total = _sum_over(grad.sum(dim, keepdim=True), "sum", ranks)
+        total = _reduce_over(grad.sum(dim, keepdim=True), "sum", ranks)
         result = grad - torch.exp(out) * total
     else:
-        total = _sum_over((grad * out).sum(dim, keepdim=True), "sum", ranks)
+        total = _reduce_over((grad * out).sum(dim, keepdim=True), "sum", ranks)
         result = out * (grad - total)
     return result.to(input_dtype)
+
+
+def _in_slice(ids: torch.Tensor, lo: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which ids fall in this rank's slice [lo, lo + width) of a split dim, and each id's
+    position in the slice (clamped into it where it falls outside: masked by the caller)."""
+    here = (ids >= lo) & (ids < lo + width)
+    return here, (ids - lo).clamp(0, max(width - 1, 0))
 
 
 def picked(
@@ -116,14 +117,14 @@ def picked(
     """-weight[t] * x[n, t] for the targets t in this rank's classes [lo, lo + width), 0
     elsewhere: this rank's part of the unreduced loss (N, d1, ...)."""
     width = x.shape[1]
-    here = (target >= lo) & (target < lo + width) & (target != ignore_index)
     if width == 0:
         return torch.zeros(target.shape, dtype=x.dtype, device=x.device)
-    at = (target - lo).clamp(0, width - 1)
-    out = -x.gather(1, at.unsqueeze(1)).squeeze(1)
-    if weight is not None:
-        out = out * weight[target.clamp(0, weight.numel() - 1)]
-    return torch.where(here, out, torch.zeros_like(out))
+    here, at = _in_slice(target, lo, width)
+    out = -x.gather(1, at.unsqueeze(1)).squeeze(1) * target_weights(
+        target, weight, ignore_index, x.dtype
+    )
+    # (the mask, not the zero weight, drops ignored targets: their score may be -inf)
+    return torch.where(here & (target != ignore_index), out, torch.zeros_like(out))
 
 
 def target_weights(target, weight, ignore_index: int, dtype) -> torch.Tensor:
@@ -148,10 +149,10 @@ def nll_backward(func, args: tuple, kwargs: dict, in_specs: list[GlobalSpec]) ->
     if reduction == 1:
         scale = scale / total
     out = torch.zeros_like(x)
-    here = (target >= lo) & (target < lo + width) & (target != ignore_index)
-    if width:
-        at = (target - lo).clamp(0, width - 1).unsqueeze(1)
-        out.scatter_(1, at, torch.where(here, scale, torch.zeros_like(scale)).unsqueeze(1))
+    if width:  # (ignored targets have scale 0)
+        here, at = _in_slice(target, lo, width)
+        where = torch.where(here, scale, torch.zeros_like(scale))
+        out.scatter_(1, at.unsqueeze(1), where.unsqueeze(1))
     return out
 
 
@@ -162,8 +163,8 @@ def embedding(func, args: tuple, kwargs: dict, in_specs: list[GlobalSpec]) -> to
     if len(class_group(in_specs[0], 0)) == 1:
         return func(*args, **kwargs)
     lo, rows = class_offset(in_specs[0], 0), weight.shape[0]
-    here = (indices >= lo) & (indices < lo + rows)
     if rows == 0:
         return weight.new_zeros((*indices.shape, weight.shape[1]))
-    out = func(weight, (indices - lo).clamp(0, rows - 1), *args[2:], **kwargs)
+    here, at = _in_slice(indices, lo, rows)
+    out = func(weight, at, *args[2:], **kwargs)
     return torch.where(here.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))

@@ -16,10 +16,7 @@ import torch
 from torch._decomp import decomposition_table
 
 from sbp.comm import stats
-from sbp.ops import converted
-from sbp.ops.registry import observers, register, register_when
-from sbp.signature import partials_to_broadcast
-from sbp.tensor import GlobalTensor, box
+from sbp.ops.registry import register, register_when, without_partials
 
 aten = torch.ops.aten
 
@@ -46,21 +43,13 @@ def _decomposed(func, args, kwargs):
     reducing its own gradient again."""
     if any(_partial(a) for a in args):
         with stats.noted(str(func), implicit=True):
-            args = tuple(_whole(a) if _partial(a) else a for a in args)
+            args = tuple(without_partials(a, keep=True) if _partial(a) else a for a in args)
     return decomposition_table[func](*args, **kwargs)
 
 
 def _partial(a) -> bool:
     spec = getattr(a, "_spec", None)
     return spec is not None and any(s.is_partial for s in spec.nd_sbp)
-
-
-def _whole(g):
-    """`g` as a global tensor without partial sums: the same logical value."""
-    dst = g._spec._replace(nd_sbp=partials_to_broadcast(g._spec.nd_sbp))
-    if observers:  # (the data-parallel fast path's checking pass: nothing kept)
-        return GlobalTensor(box(g._local, g._spec, dst), dst)
-    return GlobalTensor(converted.convert(g, dst, box), dst)
 
 
 register(*(op for op in DECOMPOSED if op in decomposition_table))(_decomposed)

@@ -274,6 +274,13 @@ def register_list_ops(predicate: Callable[[Any], bool], rule: Callable) -> None:
     DISPATCHER.list_ops_rule = (predicate, rule)
 
 
+def _reuses(func) -> bool:
+    """May `func` take and keep converted values (`sbp.ops.converted`)? Not for ops that
+    write an argument or return views, nor while an observer watches (the data-parallel
+    fast path's checking pass behaves as before)."""
+    return not (observers or is_view(func) or is_inplace(func) or _writes_any(func))
+
+
 def _writes_any(func) -> bool:
     """Does `func` write any argument?"""
     return bool(written_args(func))
@@ -327,9 +334,8 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
             observers[-1].custom(func, args)
         return rule(func, args, kwargs)
     flat, tree = flatten(args, kwargs)
-    if converted.any_kept() and not observers and type(rule) is StrategyRule:
-        if not (is_view(func) or is_inplace(func) or _writes_any(func)):
-            flat = converted.at_hand(flat, GlobalTensor)
+    if converted.any_kept() and type(rule) is StrategyRule and _reuses(func):
+        flat = converted.at_hand(flat, GlobalTensor)
     key, gpos = scan(func, flat, tree)
     padded = bool(pricing.PADDED) and any(pricing.is_padded(flat[i]) for i in gpos)
     if padded:
@@ -616,7 +622,7 @@ def _run_strategy(
             local_flat[i] = g._local
             continue
         if reuse is None:  # kept conversions (sbp.ops.converted), not where one is written
-            reuse = not (observers or d.view or inplace or _writes_any(func))
+            reuse = _reuses(func)
         local_flat[i] = converted.convert(g, req, box) if reuse else box(g._local, g._spec, req)
     if d.write_back:  # the op writes a copy (boxing may hand back a view of the input)
         local_flat[gpos[0]] = local_flat[gpos[0]].clone()
@@ -743,9 +749,14 @@ def rebox_to(g, spec: GlobalSpec) -> Any:
     return GlobalTensor(box(g._local, g._spec, spec), spec)
 
 
-def without_partials(g) -> Any:
-    """`g` with every partial hierarchy dim reduced to broadcast."""
-    return rebox(g, partials_to_broadcast(g._spec.nd_sbp))
+def without_partials(g, keep: bool = False) -> Any:
+    """`g` with every partial hierarchy dim reduced to broadcast. With `keep`, the
+    conversion is kept with `g` for later uses of the same value (`sbp.ops.converted`), as
+    an op's boxed inputs are, but not while an observer watches."""
+    spec = g._spec._replace(nd_sbp=partials_to_broadcast(g._spec.nd_sbp))
+    if not keep or observers or spec == g._spec:
+        return rebox_to(g, spec)
+    return GlobalTensor(converted.convert(g, spec, box), spec)
 
 
 def _empty_outputs(out_specs: list, rank: int) -> list | None:
