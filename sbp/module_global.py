@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -45,9 +44,13 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             "placement, sbp, shape=, sync_data=, check_meta= and grad_sbp="
         )
     bad = None
-    for t in itertools.chain(module.parameters(), module.buffers()):
+    for t in module.parameters():
         if bad is None and not isinstance(t, GlobalTensor):
             bad = bad_input(t, placement, sbp, kwargs.get("shape"))
+    buffer_sbp = _buffer_sbp(placement, sbp) if bad is None else sbp
+    for t in module.buffers():
+        if bad is None and not isinstance(t, GlobalTensor):
+            bad = bad_input(t, placement, buffer_sbp, kwargs.get("shape"))
     if bad is not None:  # nothing converted yet: the module stays as it was
         if kwargs.get("check_meta", True):
             agreement.raise_everywhere(bad, "module.to_global")
@@ -56,9 +59,11 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
     nd = normalize_nd_sbp(sbp, placement.ndim)
     whole = (broadcast,) * placement.ndim
 
-    def convert(t: torch.Tensor) -> GlobalTensor:
+    buffer_nd = normalize_nd_sbp(buffer_sbp, placement.ndim)
+
+    def convert(t: torch.Tensor, nd: tuple = nd) -> GlobalTensor:
         if isinstance(t, GlobalTensor):  # already global: re-box, as OneFlow does
-            return t.detach().to_global(placement, sbp)
+            return t.detach().to_global(placement, nd)
         # Each rank holds the user's whole model: it is the logical one, synced as a
         # broadcast, and then each rank keeps its part (split) or share (partial). Taken
         # as each rank's shard, as a tensor's `to_global` would, `split(0)` would make
@@ -77,6 +82,16 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             if b is None:
                 continue
             if id(b) not in done:
-                done[id(b)] = convert(b)
+                done[id(b)] = convert(b, buffer_nd)
             sub._buffers[name] = done[id(b)]
     return module
+
+
+def _buffer_sbp(placement: Placement, sbp: Any) -> Any:
+    """A split shards the parameters; buffers (running statistics, masks, counters) stay
+    broadcast, as FSDP2 and ZeRO shard parameters only (docs/api.md "Global modules")."""
+    try:
+        nd = normalize_nd_sbp(sbp, placement.ndim)
+    except Exception:  # noqa: BLE001 - a bad sbp: reported by bad_input for the parameters
+        return sbp
+    return (broadcast,) * placement.ndim if any(s.is_split for s in nd) else sbp

@@ -3,6 +3,7 @@
 from sbp.comm.collectives import (
     Pending,
     all_gather,
+    all_gather_async,
     all_reduce,
     all_reduce_async,
     all_to_all,
@@ -11,6 +12,7 @@ from sbp.comm.collectives import (
     broadcast_async,
     exchange_p2p,
     reduce_scatter,
+    reduce_scatter_async,
 )
 from sbp.comm.groups import get_group
 from sbp.comm.meta import exchange
@@ -21,6 +23,7 @@ __all__ = [
     "all_gather",
     "Pending",
     "all_reduce",
+    "all_gather_async",
     "all_reduce_async",
     "all_to_all",
     "barrier",
@@ -31,4 +34,5 @@ __all__ = [
     "exchange_p2p",
     "get_group",
     "reduce_scatter",
+    "reduce_scatter_async",
 ]

@@ -269,6 +269,44 @@ def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
     return Pending(work, tensor, "all_reduce", ranks)
 
 
+def all_gather_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> Pending:
+    """Start `all_gather(output, input, ranks)`; the caller waits on the result. (A group
+    whose ascending order is not the ranks' runs it at once, permuting the chunks.)"""
+    if len(ranks) == 1 or group_order(ranks) is not None or functional.tracing(input):
+        return Pending(None, all_gather(output, input, ranks), "all_gather", ranks)
+    stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
+    _agree("all_gather", input, ranks)
+    with guarded("all_gather", ranks):
+        work = _all_gather_single(
+            _moved(output).view(-1), _moved(input), group=get_group(ranks), async_op=True
+        )
+    return Pending(work, output, "all_gather", ranks)
+
+
+def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> Pending:
+    """Start summing `input` (n equal chunks along dim 0) into this rank's chunk `output`;
+    the caller waits on the result. (As `all_gather_async`, a group in another order, and
+    a dtype gloo cannot sum, run at once.)"""
+    if (
+        len(ranks) == 1
+        or group_order(ranks) is not None
+        or functional.tracing(input)
+        or input.dtype in _GLOO_LACKS
+    ):
+        return Pending(None, reduce_scatter(output, input, "sum", ranks), "reduce_scatter", ranks)
+    stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
+    _agree("reduce_scatter", input, ranks, "sum")
+    with guarded("reduce_scatter", ranks):
+        work = _reduce_scatter_single(
+            output.reshape(-1),
+            input.reshape(-1),
+            op=REDUCE_OPS["sum"],
+            group=get_group(ranks),
+            async_op=True,
+        )
+    return Pending(work, output, "reduce_scatter", ranks)
+
+
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str, ranks: Ranks
 ) -> torch.Tensor:

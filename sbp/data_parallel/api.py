@@ -14,6 +14,7 @@ import torch
 from sbp import gradients
 from sbp.data_parallel import torch_compile
 from sbp.data_parallel.call import DataParallel
+from sbp.data_parallel.sharded.units import units_of
 from sbp.data_parallel.torch_compile import _leaving_backend, _set_eval_frame, _skip_frame, _traced
 from sbp.errors import InputTypeError, InputValueError, PlacementError
 from sbp.nn import compiled_batch_norm, shard_batch_norm
@@ -116,6 +117,8 @@ def data_parallel(
     batch_norm: str | None = None,
     bucket_mb: float | None = None,
     compile: bool | dict | None = None,
+    reshard_after_forward: bool | None = None,
+    units: list[str] | str | None = None,
 ) -> torch.nn.Module:
     """Options of a module made global with `module.to_global(P, sbp.broadcast)`.
 
@@ -126,8 +129,15 @@ def data_parallel(
     compile: True, or a dict of `torch.compile` options: the fast path runs the module's
     forward on local tensors through `torch.compile` (plain tensors, as compiled torch
     DDP), and everything around it eagerly; False (default) turns it off.
+    For parameters sharded along dim 0 (`module.to_global(P, sbp.split(0))`, sharded data
+    parallelism, docs/sharded_data_parallel.md): reshard_after_forward: True (default,
+    ZeRO-3) frees each unit's gathered parameters after its forward and gathers them
+    again in backward, False (ZeRO-2) keeps them until backward; units: the names of the
+    submodules gathered as one (as `model.named_modules()` names them), or "auto"
+    (default) for `sbp.data_parallel.sharded.units.chosen`'s.
     """
     _check_options(fast, batch_norm, bucket_mb, compile)
+    _check_sharding_options(module, reshard_after_forward, units)
     s = state(module)
     if compile is not None:
         if compile is False:
@@ -146,7 +156,33 @@ def data_parallel(
     if bucket_mb is not None:
         s.bucket_bytes = int(bucket_mb * 2**20)
         s._reducer_key = None
+    if reshard_after_forward is not None or units is not None:
+        if reshard_after_forward is not None:
+            s.reshard_after_forward = reshard_after_forward
+        if units is not None:
+            s.units = None if units == "auto" else list(units)
+        s._layouts.clear()  # (what a check allows depends on the units)
+        if s._sharding is not None:
+            s._shard(s._sharding.params())
     return module
+
+
+def _check_sharding_options(
+    module: torch.nn.Module, reshard_after_forward: Any, units: Any
+) -> None:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise InputTypeError(
+            "sbp.nn.data_parallel: reshard_after_forward must be True or False, got "
+            f"{reshard_after_forward!r}"
+        )
+    if units is None or units == "auto":
+        return
+    if isinstance(units, str) or not all(isinstance(n, str) for n in units):
+        raise InputTypeError(
+            "sbp.nn.data_parallel: units must be a list of submodule names (as "
+            f"model.named_modules() names them) or 'auto', got {units!r}"
+        )
+    units_of(module, [], list(units))  # (names that are no submodule, or nest: raised)
 
 
 def _check_options(fast: Any, batch_norm: Any, bucket_mb: Any, compile: Any) -> None:
@@ -191,11 +227,13 @@ def no_sync(module: torch.nn.Module) -> Iterator[None]:
     inside or not); the next backward outside reduces them with its own."""
     s = state(module)
     s.sync = False
-    if s._reducer is not None:
-        s._reducer.sync = False
+    for holder in (s._reducer, s._sharding):
+        if holder is not None:
+            holder.sync = False
     try:
         yield
     finally:
         s.sync = True
-        if s._reducer is not None:
-            s._reducer.sync = True
+        for holder in (s._reducer, s._sharding):
+            if holder is not None:
+                holder.sync = True

@@ -29,6 +29,7 @@ from sbp.data_parallel.inputs import _PLAIN_VALUES, Inputs, _numbers_blanked
 from sbp.data_parallel.layout import Layout, _share_spec
 from sbp.data_parallel.local_run import _local_forward, _LocalOps, _Run
 from sbp.data_parallel.reducer import Reducer
+from sbp.data_parallel.sharded.state import Sharding
 from sbp.data_parallel.slots import _EnterLocal, _Slots, _Undo
 from sbp.errors import CommTimeoutError, IndexRangeError, LabelRangeError, MetaMismatchError
 from sbp.layout import GlobalSpec
@@ -77,6 +78,15 @@ def _differs(what: str, got: list, expected: list) -> str:
     return ""
 
 
+def _shard_dim(nd: tuple) -> int | None:
+    """The hierarchy dim along which a sharded parameter (`split(0)` there, broadcast on
+    the others) is split, or None for any other layout."""
+    dims = [h for h, s in enumerate(nd) if not s.is_broadcast]
+    if len(dims) != 1 or not nd[dims[0]].is_split or nd[dims[0]].dim != 0:
+        return None
+    return dims[0]
+
+
 class DataParallel:
     """The fast path's state for one module (see `sbp.data_parallel`'s docstring)."""
 
@@ -97,6 +107,10 @@ class DataParallel:
         self._warned: set[str] = set()
         self._numbers_seen: dict[tuple, int] = {}  # layout keys but for numbers: how many
         self._slots: _Slots | None = None
+        # sharded parameters (split(0) on one hierarchy dim): their units and gathers
+        self._sharding: Sharding | None = None
+        self.reshard_after_forward = True  # ZeRO-3 (False: ZeRO-2)
+        self.units: list[str] | None = None  # the gathering units named by the user
         self._special: list[torch.nn.Module] = []  # BatchNorm and dropout submodules
         self._recurrent: list[torch.nn.RNNBase] = []  # LSTM, GRU and RNN submodules
         self._checkpointable: list[torch.nn.Module] = []  # (attribute gradient_checkpointing)
@@ -129,6 +143,7 @@ class DataParallel:
         fresh._original = copy.deepcopy(self._original, memo)
         fresh.enabled, fresh.batch_norm, fresh.sync = self.enabled, self.batch_norm, self.sync
         fresh.bucket_bytes = self.bucket_bytes
+        fresh.reshard_after_forward, fresh.units = self.reshard_after_forward, self.units
         fresh.compile_options = copy.deepcopy(self.compile_options, memo)
         fresh.shard_batch_norms = copy.deepcopy(self.shard_batch_norms, memo)
         # (the copied modules keep the logical forward and their copy of the groups)
@@ -176,7 +191,7 @@ class DataParallel:
             return self._per_op(args, kwargs, backend)
         for path, limit in layout.index_inputs:  # (as the ops checked them op by op)
             limit.check(inputs.at(path))
-        self.last_path = "fast"
+        self.last_path = "fast" if self._sharding is None else "sharded"
         if layout.tried:
             return self._run_local(inputs, layout, data_nd, backend)
         try:
@@ -333,6 +348,15 @@ class DataParallel:
                     stacklevel=CALLER + 1,  # (from a helper of call)
                 )
             return None, ()
+        if self._sharding is not None and self._sharding.shard_dim not in data:
+            # (parameters split where the batch is not: each gradient would be summed
+            # over ranks holding the same samples)
+            self._warn_once(
+                "runs op by op: its parameters are split along a placement dim the batch "
+                "is not split along",
+                stacklevel=CALLER + 1,
+            )
+            return None, ()
         # (each BatchNorm and dropout module's own mode: one may differ from the model's)
         modes = tuple(m.training for m in self._special)
         key = (
@@ -346,7 +370,9 @@ class DataParallel:
         return key, data_nd
 
     def _params_broadcast(self) -> bool:
-        """Are the module's parameters and buffers still the broadcast ones seen last time?"""
+        """Are the module's parameters and buffers still the ones seen last time, broadcast
+        (parameters may be sharded: split(0) along one hierarchy dim, broadcast on the
+        others)?"""
         old = self._slots
         if old is not None and old.unchanged():
             return True
@@ -358,29 +384,58 @@ class DataParallel:
             m for m in self._module_ref.modules() if hasattr(m, "gradient_checkpointing")
         ]
         self._dropouts = [m for m in self._special if not isinstance(m, BATCH_NORMS)]
-        found = []
+        found, sharded, shard_dims = [], [], set()
         for sub in self._module_ref.modules():
             for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
                 for name, t in table.items():
                     if t is None:
                         continue
-                    if not (
-                        isinstance(t, GlobalTensor)
-                        and t._spec.placement == self.placement
-                        and t._spec.nd_sbp == allb
-                    ):
+                    if not (isinstance(t, GlobalTensor) and t._spec.placement == self.placement):
                         return False
+                    if t._spec.nd_sbp != allb:
+                        dim = _shard_dim(t._spec.nd_sbp) if is_param else None
+                        if dim is None:
+                            return False
+                        shard_dims.add(dim)
+                        sharded.append(t)
                     found.append((table, name, t, is_param))
+        if len(shard_dims) > 1:  # (split along two hierarchy dims: op by op)
+            return False
         if old is not None and old.same_as(found):  # (a submodule set elsewhere)
             old.submodules_seen = COUNTS.submodules_set
             self._slots = old
             return True
         self._slots = _Slots(found)
+        try:
+            self._shard(sharded, shard_dims)
+        except BaseException:
+            self._slots = None  # (never local runs taking sharded parameters as whole)
+            raise
         if old is None or old.names != self._slots.names or old.specs != self._slots.specs:
             # Other tensors (a new head for fine-tuning, a resized embedding): the layouts
             # checked with the old ones may expect other outputs; check them again
             self._layouts.clear()
         return True
+
+    def _shard(self, sharded: list, shard_dims: set | None = None) -> None:
+        """The sharded parameters' runtime (`sharded.Sharding`) for the slots found, or
+        None where every parameter is broadcast; again with the options changed."""
+        if self._sharding is not None:
+            self._sharding.remove()
+            self._sharding = None
+        if shard_dims is None:
+            shard_dims = {_shard_dim(p._spec.nd_sbp) for p in sharded}
+        if sharded:
+            seen: dict[int, GlobalTensor] = {id(p): p for p in sharded}
+            self._sharding = Sharding(
+                self._module_ref,
+                list(seen.values()),
+                self._slots,
+                self.placement,
+                shard_dims.pop(),
+                self.units,
+                self.reshard_after_forward,
+            )
 
     # ------------------------------------------------------------ checking pass
     def _check(self, inputs: Inputs, data_nd) -> Layout:
@@ -397,7 +452,8 @@ class DataParallel:
             modes = torch._C._len_torch_function_stack() + 1  # (with _WholeCalls)
             by_name = _by_name_replaced(_called_by_name(check, modes))
             row_wise = row_wise_calls.unjudged(check, sizes[0] if sizes else None)
-            with torch.no_grad(), counted, by_name, row_wise, _WholeCalls(check):
+            sharded = self._sharding.checking() if self._sharding else contextlib.nullcontext()
+            with torch.no_grad(), counted, by_name, row_wise, _WholeCalls(check), sharded:
                 out = self._original(*inputs.args, **inputs.kwargs)
             left = [b._local.clone() for b in buffers]
         finally:
@@ -448,7 +504,8 @@ class DataParallel:
         slots.refresh()
         key = (slots.version, data_nd)
         if self._reducer_key != key:
-            trained = [p for p in slots.params if p.requires_grad]
+            sharded = set(map(id, self._sharding.params())) if self._sharding else set()
+            trained = [p for p in slots.params if p.requires_grad and id(p) not in sharded]
             self._reducer = Reducer(
                 trained,
                 [slots.leaf(p) for p in trained],
@@ -506,7 +563,8 @@ class DataParallel:
                 local_ops.enter_context(_by_name_replaced(run.by_name))
         else:
             forward, local_ops = self._original, _LocalOps(run)
-        with self._slots.swapped(self._recurrent), local_constants.suspended(), local_ops:
+        sharded = self._sharding.running(data_nd) if self._sharding else contextlib.nullcontext()
+        with self._slots.swapped(self._recurrent), sharded, local_constants.suspended(), local_ops:
             out = forward(*largs, **lkwargs)
         ran, checked = (
             (run.bn_calls, run.dropouts, run.losses),

@@ -190,6 +190,8 @@ def local_compile_declined(fast: DataParallel, layout: Layout, data_nd: tuple) -
     BatchNorm over several ranks (the ranks splitting the batch, by `data_nd`) in a
     BatchNorm module with a forward of its own (`compiled_batch_norm` replaces
     torch's)."""
+    if fast._sharding is not None:
+        return "sharded parameters (gathered in module hooks, around each unit's forward)"
     # (what the checking pass recorded, not module.training: a BatchNorm submodule
     # may be in train mode inside a model in eval mode, as when adapting statistics)
     if not layout.bn_counts:

@@ -21,7 +21,8 @@ def module_to_global(
     convert_module(module, placement, sbp, **kwargs)
     torch_recurrent.attach(module)
     nd = normalize_nd_sbp(sbp, placement.ndim)
-    if all(s.is_broadcast for s in nd):
+    if all(s.is_broadcast or (s.is_split and s.dim == 0) for s in nd):
+        # broadcast, or parameters sharded along dim 0 (sharded data parallelism)
         fast_path.attach(module, placement)
     else:
         fast_path.detach_fast_path(module)

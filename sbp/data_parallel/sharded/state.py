@@ -1,0 +1,413 @@
+"""Sharded data parallelism's runtime for one module (`Sharding`): each unit's parameters
+gathered before its forward (the next unit's gather already in flight), freed after it
+(ZeRO-3) and gathered again in backward (the previous unit's in flight), or kept for
+backward (ZeRO-2); their gradients reduce-scattered per unit as backward finishes with
+it, in one order on every rank, landing in each parameter's `.grad` as its shard.
+
+The data-parallel call pipeline (`sbp.data_parallel.call`) decides when a module runs on
+local tensors; this module gives it the parameters those runs need:
+- `checking()`: the checking pass sees each unit's parameters as broadcast global tensors
+  while the unit runs, the sharded ones elsewhere (a use outside its unit moves them, so
+  the check fails and the module runs op by op);
+- `running()`: the local run sees each unit's parameters as the gathered whole tensors
+  (outputs of `_Gathered`, whose backward hands their gradients back) while it runs,
+  the root unit's for the whole call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from sbp import comm, env
+from sbp.comm import stats
+from sbp.data_parallel.sharded.flat import FlatUnit
+from sbp.data_parallel.sharded.units import Unit, units_of
+from sbp.errors import InputValueError
+from sbp.layout import GlobalSpec
+from sbp.signature import broadcast
+from sbp.tensor import GlobalTensor
+
+GATHER = "sharded parameters"
+_PLAIN = torch._C.DisableTorchFunction  # what sbp.comm_stats() names the gathers and reductions
+
+
+class _Token:
+    """A saved tensor that is a view of a freed unit's gathered parameters (ZeRO-3)."""
+
+    __slots__ = ("unit", "size", "stride", "offset")
+
+    def __init__(self, unit: _UnitState, t: torch.Tensor):
+        self.unit, self.size, self.stride, self.offset = (
+            unit,
+            t.size(),
+            t.stride(),
+            t.storage_offset(),
+        )
+
+
+class _UnitState:
+    """One unit at run time: its flat layout, where its parameters sit in the module's
+    tables, its gathered buffer (while alive), the gather in flight, and its gradient
+    being collected."""
+
+    def __init__(self, unit: Unit, flat: FlatUnit, places: list[list[tuple[dict, str]]]):
+        self.unit, self.flat, self.places = unit, flat, places
+        self.name = unit.name or "<root>"
+        self.whole: torch.Tensor | None = None
+        self.pending: tuple | None = None  # (Pending all-gather, its output)
+        self.leaves: list[torch.Tensor] = []
+        self.grad: torch.Tensor | None = None  # (members, shard_len), collected
+        self.waiting = 0  # applications of `_Gathered` whose backward has not run
+        self.launched: tuple | None = None  # (Pending reduce-scatter, its output)
+
+
+class _Gathered(torch.autograd.Function):
+    """A unit's whole parameters, from its shard leaves; backward hands their gradients to
+    the unit (`Sharding._backward`), the leaves get none (their gradient is the unit's
+    reduce-scattered one, set on the parameters)."""
+
+    @staticmethod
+    def forward(ctx, sharding: Sharding, state: _UnitState, *leaves: torch.Tensor):
+        ctx.sharding, ctx.state, ctx.n = sharding, state, len(leaves)
+        ctx.set_materialize_grads(False)
+        return tuple(state.flat.views(state.whole))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        ctx.sharding._backward(ctx.state, grads)
+        return (None, None, *([None] * ctx.n))
+
+
+class Sharding:
+    """The sharded parameters of one module: units, their gathers and gradient reductions.
+
+    `params`: the module's sharded parameters (global tensors split along dim 0 on
+    hierarchy dim `shard_dim`), in module order; `slots`: the module's `_Slots` (where each
+    global tensor sits, and the local leaves); `names`: the units the user named, or None
+    (`units.chosen`); `reshard`: free each unit's gathered parameters after its forward
+    (ZeRO-3) or keep them for backward (ZeRO-2)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        params: list,
+        slots,
+        placement,
+        shard_dim: int,
+        names: list[str] | None,
+        reshard: bool,
+    ):
+        self.placement, self.shard_dim, self.reshard = placement, shard_dim, reshard
+        self.slots = slots
+        me = env.get_rank()
+        self.ranks = placement.ranks_varying(me, {shard_dim})
+        where: dict[int, list[int]] = {}
+        for i, t in enumerate(slots.tensors):
+            where.setdefault(id(t), []).append(i)
+        self.units: list[_UnitState] = []
+        for unit in units_of(module, params, names):
+            if not unit.params:
+                continue
+            dtypes = {p.dtype for p in unit.params}
+            if len(dtypes) > 1:
+                raise InputValueError(
+                    f"sbp sharded data parallelism: unit {unit.name or '<root>'!r} holds "
+                    f"parameters of dtypes {sorted(map(str, dtypes))}; one unit gathers one "
+                    "dtype (name smaller units: sbp.nn.data_parallel(model, units=[...]))"
+                )
+            flat = FlatUnit(unit.params, placement, self.ranks, self.ranks.index(me))
+            places = [
+                [(slots.tables[i], slots.names[i]) for i in where[id(p)]] for p in unit.params
+            ]
+            self.units.append(_UnitState(unit, flat, places))
+        self.root = next((u for u in self.units if u.unit.module is None), None)
+        self.by_module = {id(u.unit.module): u for u in self.units if u.unit.module is not None}
+        self.order = [u for u in self.units if u.unit.module is not None]  # forward order
+        self.mode: str | None = None  # "check", "run" or None (hooks do nothing)
+        self.sync = True
+        self.data_nd: tuple = ()
+        self.trace: list | None = None  # set to a list to record events (tests)
+        self._seen: list[_UnitState] = []  # this run's units in their forward order
+        self._storages: dict[int, _UnitState] = {}  # gathered buffers packed as tokens
+        self._queued = False
+        self._launch_order: list[_UnitState] = []
+        self._next = 0
+        self.gathered_now = self.gathered_peak = 0  # bytes of whole parameters alive
+        self._hooks = [
+            h
+            for u in self.order
+            for h in (
+                u.unit.module.register_forward_pre_hook(self._pre_hook),
+                u.unit.module.register_forward_hook(self._post_hook, always_call=True),
+            )
+        ]
+
+    def remove(self) -> None:
+        """Take the units' hooks off their modules (the module's slots changed)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def params(self) -> list:
+        return [p for u in self.units for p in u.unit.params]
+
+    # ------------------------------------------------------------ gathers
+    def _event(self, what: str, u: _UnitState) -> None:
+        if self.trace is not None:
+            self.trace.append((what, u.name))
+
+    def _start_gather(self, u: _UnitState, phase: str) -> None:
+        """Start all-gathering `u`'s flat shards (nothing if whole or in flight)."""
+        if u.whole is not None or u.pending is not None:
+            return
+        with _PLAIN():  # (not ops of the module: no check or local mode judges them)
+            self._gather(u, phase)
+
+    def _gather(self, u: _UnitState, phase: str) -> None:
+        flat = u.flat
+        mine = flat.copy_in([p._local for p in u.unit.params])
+        out = mine.new_empty(len(self.ranks), flat.shard_len)
+        self._event("gather", u)
+        with stats.noted(GATHER, implicit=False, phase=phase):
+            u.pending = (comm.all_gather_async(out, mine, self.ranks), out)
+
+    def _whole(self, u: _UnitState, phase: str) -> torch.Tensor:
+        """`u`'s gathered parameters (one buffer), waiting for its gather (or running it)."""
+        if u.whole is None:
+            self._start_gather(u, phase)
+            pending, _ = u.pending
+            u.pending = None
+            gathered = pending.wait()
+            with _PLAIN():
+                u.whole, _ = u.flat.copy_out(gathered)
+            self._event("gathered", u)
+            nbytes = u.flat.gathered_bytes
+            self.gathered_now += nbytes
+            self.gathered_peak = max(self.gathered_peak, self.gathered_now)
+            weakref.finalize(u.whole, self._freed, nbytes)
+        return u.whole
+
+    def _freed(self, nbytes: int) -> None:
+        self.gathered_now -= nbytes
+
+    def _settle_pending(self) -> None:
+        """Wait for gathers prefetched but never used (every rank issued them alike)."""
+        for u in self.units:
+            if u.pending is not None:
+                u.pending[0].wait()
+                u.pending = None
+
+    def _after(self, u: _UnitState, order: list[_UnitState], step: int) -> _UnitState | None:
+        try:
+            i = order.index(u) + step
+        except ValueError:
+            return None
+        return order[i] if 0 <= i < len(order) else None
+
+    # ------------------------------------------------------------ checking pass
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """For the checking pass: each unit's parameters broadcast while it runs."""
+        self.mode = "check"
+        try:
+            if self.root is not None:
+                self._put(self.root, self._broadcast_views(self.root))
+            yield
+        finally:
+            self.mode = None
+            for u in self.units:
+                self._put(u, u.unit.params)
+                u.whole = None
+            self._settle_pending()
+
+    def _broadcast_views(self, u: _UnitState) -> list[GlobalTensor]:
+        views = u.flat.views(self._whole(u, "forward"))
+        return [
+            GlobalTensor(v, _broadcast_spec(p._spec))
+            for v, p in zip(views, u.unit.params, strict=True)
+        ]
+
+    def _put(self, u: _UnitState, tensors: list) -> None:
+        for places, t in zip(u.places, tensors, strict=True):
+            for table, name in places:
+                table[name] = t
+
+    # ------------------------------------------------------------ local runs
+    @contextlib.contextmanager
+    def running(self, data_nd: tuple) -> Iterator[None]:
+        """For a local run (inside the slots' swap): the root unit's whole parameters for
+        the call, the others' while each runs; saved views of freed ones packed (ZeRO-3)."""
+        self.mode, self.data_nd = "run", data_nd
+        self._seen = []
+        expected = self.order
+        for u in self.units:
+            u.whole = None  # (a run that raised, a frozen unit's backward: let them go)
+            u.leaves = [self.slots.leaf(p) for p in u.unit.params]
+        saved = (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            if self.reshard and torch.is_grad_enabled()
+            else contextlib.nullcontext()
+        )
+        try:
+            if self.root is not None:
+                self._put(self.root, self._enter(self.root))
+            if expected:
+                self._start_gather(expected[0], "forward")
+            with saved:
+                yield
+        finally:
+            self.mode = None
+            if self._seen:
+                self.order = self._seen + [u for u in self.order if u not in self._seen]
+            if self.root is not None:
+                self.root.whole = None  # (autograd keeps what backward needs)
+            self._settle_pending()
+            self._storages.clear()
+
+    def _enter(self, u: _UnitState) -> list[torch.Tensor]:
+        """`u`'s whole parameters for a local run, in autograd where they are trained."""
+        self._whole(u, "forward")
+        if torch.is_grad_enabled() and any(leaf.requires_grad for leaf in u.leaves):
+            u.waiting += 1
+            return list(_Gathered.apply(self, u, *u.leaves))
+        return u.flat.views(u.whole)
+
+    def _pre_hook(self, module: torch.nn.Module, args) -> None:
+        u = self.by_module.get(id(module))
+        if u is None or self.mode is None:
+            return
+        if self.mode == "check":
+            self._put(u, self._broadcast_views(u))
+            return
+        if u not in self._seen:
+            self._seen.append(u)
+        views = self._enter(u)
+        self._put(u, views)
+        following = self._after(u, self.order, 1)
+        if following is not None:
+            self._start_gather(following, "forward")
+        if self.reshard and u is not self.order[-1]:
+            # (ZeRO-3; the last unit's parameters are the first backward needs: kept)
+            self._storages[u.whole.untyped_storage().data_ptr()] = u
+
+    def _post_hook(self, module: torch.nn.Module, args, output) -> None:
+        u = self.by_module.get(id(module))
+        if u is None or self.mode is None:
+            return
+        if self.mode == "check":
+            self._put(u, u.unit.params)
+            u.whole = None
+            return
+        self._put(u, u.leaves)
+        if u.whole is not None:
+            self._storages.pop(u.whole.untyped_storage().data_ptr(), None)
+        u.whole = None  # ZeRO-3: saved views were packed; ZeRO-2: autograd keeps them
+        self._event("freed", u)
+
+    def _pack(self, t: torch.Tensor):
+        if self._storages and t.layout == torch.strided:
+            u = self._storages.get(t.untyped_storage().data_ptr())
+            if u is not None:
+                return _Token(u, t)
+        return t
+
+    def _unpack(self, saved):
+        if type(saved) is not _Token:
+            return saved
+        u = saved.unit
+        if u.whole is None:
+            self._whole(u, "backward")
+            previous = self._after(u, self.order, -1)
+            if previous is not None and previous.waiting:
+                self._start_gather(previous, "backward")
+        return u.whole.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ------------------------------------------------------------ gradients
+    def _backward(self, u: _UnitState, grads: tuple) -> None:
+        """A `_Gathered` of `u` reached in backward: collect its gradients; once every
+        application's have come, free the unit and reduce it (in order)."""
+        if not self._queued:
+            self._queued = True
+            self._launch_order = [u for u in reversed(self.order)]
+            if self.root is not None:
+                self._launch_order.append(self.root)
+            self._next = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        u.grad = u.flat.grads_in(list(grads), u.grad)
+        u.waiting = max(u.waiting - 1, 0)
+        self._event("grad", u)
+        if u.waiting == 0:
+            if u is not self.root:
+                u.whole = None
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order = self._launch_order
+        while self._next < len(order) and order[self._next].waiting == 0 and self.sync:
+            u = order[self._next]
+            if u.grad is not None:
+                self._launch(u)
+            self._next += 1
+
+    def _launch(self, u: _UnitState) -> None:
+        grad, u.grad = u.grad, None
+        out = grad.new_empty(u.flat.shard_len)
+        self._event("reduce", u)
+        with stats.noted(GATHER, implicit=False, phase="backward"):
+            u.launched = (comm.reduce_scatter_async(out, grad, self.ranks), out)
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left, wait, and set the gradients."""
+        try:
+            if self.sync:
+                for u in self._launch_order[self._next :]:
+                    if u.grad is not None:
+                        self._launch(u)
+            done = [u for u in self._launch_order if u.launched is not None]
+            replicas = self.placement.ranks_varying(
+                env.get_rank(),
+                {h for h, s in enumerate(self.data_nd) if s.is_split and h != self.shard_dim},
+            )
+            reduced = []
+            for u in done:
+                pending, out = u.launched
+                u.launched = None
+                out = pending.wait()
+                if len(replicas) > 1:  # hybrid: the shard summed over the other replicas
+                    with stats.noted(GATHER, implicit=False, phase="backward"):
+                        reduced.append((u, comm.all_reduce_async(out, "sum", replicas)))
+                else:
+                    reduced.append((u, None))
+                    self._set_grads(u, out)
+            for u, pending in reduced:
+                if pending is not None:
+                    self._set_grads(u, pending.wait())
+        finally:
+            self._queued = False
+            self._next = 0
+            for u in self.units:
+                u.waiting = 0
+                if u is not self.root:
+                    u.whole = None
+            self._settle_pending()
+
+    def _set_grads(self, u: _UnitState, reduced: torch.Tensor) -> None:
+        for p, g in zip(u.unit.params, u.flat.shard_grads(reduced), strict=True):
+            if not p.requires_grad:
+                continue
+            held = p.grad
+            if held is None:
+                p.grad = GlobalTensor(g, p._spec)
+            elif held._spec == p._spec:
+                held._local.add_(g)
+            else:  # (another layout, set by the user or op by op: summed there)
+                p.grad = held + GlobalTensor(g, p._spec)
+        self._event("set", u)
+
+
+def _broadcast_spec(spec: GlobalSpec) -> GlobalSpec:
+    return spec._replace(nd_sbp=(broadcast,) * len(spec.nd_sbp))
