@@ -398,7 +398,10 @@ def test_gradient_hooks_on_parameters(request, world):
         assert _rel(params, want) < 1e-12
 
 
-def test_declines_a_tensor_parallel_weight(pool2):
+def test_a_split_weight_among_broadcast_ones_runs_sharded(pool2):
+    """A weight split along dim 0 beside broadcast ones (a mixed layout, or a column-parallel
+    weight with the batch split as well) runs on the sharded path: the logical model is
+    the same, its gradient stays split(0)."""
     data = _data(steps=2)
 
     def run():
@@ -422,7 +425,7 @@ def test_declines_a_tensor_parallel_weight(pool2):
     paths, params, grad_sbp = pool2.run(run)[0]
     torch.manual_seed(0)
     ref = _train(MLP, None, None, None, data[:2])
-    assert paths == ["per-op", "per-op"]
+    assert paths == ["sharded", "sharded"]
     assert grad_sbp == (sbp.split(0),)
     assert _rel(params, ref[1]) < 1e-12
 

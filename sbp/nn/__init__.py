@@ -16,6 +16,7 @@ _LAZY = {
     "data_parallel": ("sbp.nn.fast_path", "data_parallel"),
     "no_sync": ("sbp.nn.fast_path", "no_sync"),
     "module_to_global": ("sbp.nn.module", "module_to_global"),
+    "memory_report": ("sbp.data_parallel.memory", "memory_report"),
 }
 
 
@@ -34,6 +35,7 @@ __all__ = [
     "RowwiseParallel",
     "data_parallel",
     "fast_path",
+    "memory_report",
     "module_to_global",
     "no_sync",
     "parallel",

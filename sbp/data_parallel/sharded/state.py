@@ -17,7 +17,6 @@ local tensors; this module gives it the parameters those runs need:
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -31,8 +30,9 @@ from sbp.layout import GlobalSpec
 from sbp.signature import broadcast
 from sbp.tensor import GlobalTensor
 
-GATHER = "sharded parameters"
-_PLAIN = torch._C.DisableTorchFunction  # what sbp.comm_stats() names the gathers and reductions
+GATHER = "sharded parameters"  # what sbp.comm_stats() names the gathers and reductions
+_PLAIN = torch._C.DisableTorchFunction  # (sbp's own copies and collectives, not the module's ops)
+PREFETCH = 2  # units whose gather is in flight while one computes (forward)
 
 
 class _Token:
@@ -63,6 +63,7 @@ class _UnitState:
         self.grad: torch.Tensor | None = None  # (members, shard_len), collected
         self.waiting = 0  # applications of `_Gathered` whose backward has not run
         self.launched: tuple | None = None  # (Pending reduce-scatter, its output)
+        self.alive = False  # its whole parameters held, by sbp or autograd (`_alive`)
 
 
 class _Gathered(torch.autograd.Function):
@@ -185,14 +186,22 @@ class Sharding:
             with _PLAIN():
                 u.whole, _ = u.flat.copy_out(gathered)
             self._event("gathered", u)
-            nbytes = u.flat.gathered_bytes
-            self.gathered_now += nbytes
-            self.gathered_peak = max(self.gathered_peak, self.gathered_now)
-            weakref.finalize(u.whole, self._freed, nbytes)
+            self._alive(u, True)
         return u.whole
 
-    def _freed(self, nbytes: int) -> None:
-        self.gathered_now -= nbytes
+    def _drop(self, u: _UnitState, kept: bool = False) -> None:
+        """sbp lets go of `u`'s whole parameters; `kept`: autograd still holds them (saved
+        for backward, ZeRO-2), until `u`'s backward."""
+        u.whole = None
+        self._alive(u, kept)
+
+    def _alive(self, u: _UnitState, alive: bool) -> None:
+        """Count `u`'s whole parameters as held (by sbp, or by autograd for backward) or
+        not: `gathered_now` and its peak, for `memory_report`."""
+        if u.alive != alive:
+            u.alive = alive
+            self.gathered_now += u.flat.gathered_bytes if alive else -u.flat.gathered_bytes
+            self.gathered_peak = max(self.gathered_peak, self.gathered_now)
 
     def _settle_pending(self) -> None:
         """Wait for gathers prefetched but never used (every rank issued them alike)."""
@@ -221,7 +230,7 @@ class Sharding:
             self.mode = None
             for u in self.units:
                 self._put(u, u.unit.params)
-                u.whole = None
+                self._drop(u)
             self._settle_pending()
 
     def _broadcast_views(self, u: _UnitState) -> list[GlobalTensor]:
@@ -245,7 +254,7 @@ class Sharding:
         self._seen = []
         expected = self.order
         for u in self.units:
-            u.whole = None  # (a run that raised, a frozen unit's backward: let them go)
+            self._drop(u)  # (a run that raised, a frozen unit's backward: let them go)
             u.leaves = [self.slots.leaf(p) for p in u.unit.params]
         saved = (
             torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -263,8 +272,8 @@ class Sharding:
             self.mode = None
             if self._seen:
                 self.order = self._seen + [u for u in self.order if u not in self._seen]
-            if self.root is not None:
-                self.root.whole = None  # (autograd keeps what backward needs)
+            if self.root is not None:  # (autograd keeps what backward needs)
+                self._drop(self.root, kept=self.root.waiting > 0)
             self._settle_pending()
             self._storages.clear()
 
@@ -287,9 +296,10 @@ class Sharding:
             self._seen.append(u)
         views = self._enter(u)
         self._put(u, views)
-        following = self._after(u, self.order, 1)
-        if following is not None:
-            self._start_gather(following, "forward")
+        for ahead in range(1, PREFETCH + 1):
+            following = self._after(u, self.order, ahead)
+            if following is not None:
+                self._start_gather(following, "forward")
         if self.reshard and u is not self.order[-1]:
             # (ZeRO-3; the last unit's parameters are the first backward needs: kept)
             self._storages[u.whole.untyped_storage().data_ptr()] = u
@@ -300,12 +310,14 @@ class Sharding:
             return
         if self.mode == "check":
             self._put(u, u.unit.params)
-            u.whole = None
+            self._drop(u)
             return
         self._put(u, u.leaves)
-        if u.whole is not None:
-            self._storages.pop(u.whole.untyped_storage().data_ptr(), None)
-        u.whole = None  # ZeRO-3: saved views were packed; ZeRO-2: autograd keeps them
+        packed = u.whole is not None and (
+            self._storages.pop(u.whole.untyped_storage().data_ptr(), None) is not None
+        )
+        # ZeRO-3: saved views were packed; ZeRO-2 (and the last unit): autograd keeps them
+        self._drop(u, kept=torch.is_grad_enabled() and u.waiting > 0 and not packed)
         self._event("freed", u)
 
     def _pack(self, t: torch.Tensor):
@@ -341,8 +353,7 @@ class Sharding:
         u.waiting = max(u.waiting - 1, 0)
         self._event("grad", u)
         if u.waiting == 0:
-            if u is not self.root:
-                u.whole = None
+            self._drop(u)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -391,8 +402,7 @@ class Sharding:
             self._next = 0
             for u in self.units:
                 u.waiting = 0
-                if u is not self.root:
-                    u.whole = None
+                self._drop(u)
             self._settle_pending()
 
     def _set_grads(self, u: _UnitState, reduced: torch.Tensor) -> None:
