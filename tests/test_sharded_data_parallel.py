@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbp
-from sbp.testing import SpmdError
 
 S0, B = sbp.split(0), sbp.broadcast
 P22 = [[0, 1], [2, 3]]
@@ -26,15 +25,13 @@ RTOL = 1e-10
 
 
 def _path(model):
-    # "sharded" (issue 53's new path) or "per-op" pass for now; tightened once that path lands.
-    try:
-        return sbp.nn.fast_path.state(model).last_path
-    except sbp.SbpError:  # (no fast path: a module that is not all broadcast)
-        return "per-op"
+    """How the model's last call ran: "sharded" (the sharded data-parallel path), "fast"
+    (broadcast parameters), "per-op"."""
+    return sbp.nn.fast_path.state(model).last_path
 
 
 def _assert_paths(paths):
-    assert paths and all(p in ("sharded", "per-op") for p in paths), paths
+    assert paths and all(p == "sharded" for p in paths), paths
 
 
 # ---------------------------------------------------------------------------- models
@@ -110,17 +107,7 @@ class TinyConvNet(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-class UncountedConvNet(TinyConvNet):
-    """TinyConvNet whose BatchNorm modules keep no 0-dim `num_batches_tracked` (momentum 0.1
-    does not read it)."""
-
-    def __init__(self):
-        super().__init__()
-        for bn in (self.bn1, self.bn2, self.bn3):
-            bn.register_buffer("num_batches_tracked", None)
-
-
-MODELS = {"mlp": MLP, "gpt": TinyGPT, "conv": TinyConvNet, "conv_uncounted": UncountedConvNet}
+MODELS = {"mlp": MLP, "gpt": TinyGPT, "conv": TinyConvNet}
 
 
 def _make(name):
@@ -317,31 +304,15 @@ def test_clip_grad_norm_over_sharded_gradients(request, world):
         _check(rank_got, ref, "sgd")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SpmdError,
-    reason="model.to_global(P, sbp.split(0)) raises SbpSignatureError 'sbp split dim 0 is out of "
-    "range for a tensor with 0 dims' on BatchNorm's 0-dim num_batches_tracked buffer",
-)
 def test_conv_net_with_batch_norm(pool2):
     """A mobilenet-like net with BatchNorm, 2 steps on 2 ranks: the losses, the parameters and
-    the running statistics (logical batch statistics, as in one process)."""
+    the running statistics (logical batch statistics, as in one process). Its buffers stay
+    broadcast (before: `to_global(P, split(0))` raised on the 0-dim `num_batches_tracked`)."""
     data = _data("conv", steps=2)
     got = pool2.run(_train, "conv", "sgd", data, [0, 1])
     ref = _train("conv", "sgd", data)
     for rank_got in got:
         _check(rank_got, ref, "sgd")
-
-
-def test_conv_net_without_batch_counters(pool2):
-    """The same net with BatchNorm's 0-dim `num_batches_tracked` removed (which the test above
-    fails on): the batch statistics in forward and backward are the logical batch's, so the
-    losses and parameters are one process's. (Running statistics: the next test.)"""
-    data = _data("conv_uncounted", steps=2)
-    got = pool2.run(_train, "conv_uncounted", "sgd", data, [0, 1])
-    ref = _train("conv_uncounted", "sgd", data)
-    for rank_got in got:
-        _check(rank_got, ref, "sgd", buffers=False)
 
 
 def _batch_norm_running_mean(ranks, nd):
@@ -354,13 +325,9 @@ def _batch_norm_running_mean(ranks, nd):
     return mean.full_tensor(), var.full_tensor()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchNorm's running statistics laid out split(0) are not updated in train mode: "
-    "they stay 0 and 1 (sbp/ops/batch_norm.py's native_batch_norm updates broadcast copies "
-    "of them, made by _locals' rebox)",
-)
 def test_split_running_statistics_are_updated(pool2):
+    """Running statistics laid out split(0) are updated in train mode (before: sbp updated
+    whole copies of them, and they stayed 0 and 1, silently)."""
     x = torch.arange(24.0, dtype=torch.float64).view(4, 6).sin()
     mean, var = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
     F.batch_norm(x, mean, var, training=True, momentum=0.1)
@@ -397,15 +364,7 @@ def _accumulate(ranks, data, no_sync=True):
     return [_full(p) for p in model.parameters()], grads, paths
 
 
-NO_SYNC_RAISES = pytest.mark.xfail(
-    strict=True,
-    raises=SpmdError,
-    reason="sbp.nn.no_sync(model) of a split(0) model raises PlacementError 'MLP has no "
-    "data-parallel fast path: call module.to_global(placement, sbp.broadcast) first'",
-)
-
-
-@pytest.mark.parametrize("no_sync", [pytest.param(True, marks=NO_SYNC_RAISES), False])
+@pytest.mark.parametrize("no_sync", [True, False])
 def test_accumulation_equals_one_process_on_the_whole_batch(pool2, no_sync):
     """Gradient accumulation over 2 micro-batches of 4, then a step: one process's step on the
     8 samples; the gradients stay split(0)."""

@@ -388,6 +388,19 @@ def _locals(tensors, nd_len: int) -> list:
     return [rebox(t, allb)._local if t is not None else None for t in tensors]
 
 
+def _written_back(running: tuple, updated: tuple, training: bool) -> None:
+    """Running statistics laid out otherwise than broadcast (split with a sharded model's
+    parameters, say) were updated as whole copies (`_locals`): write each rank's part of
+    the new value back into them (no communication: the whole is on every rank)."""
+    if not training:
+        return
+    for t, new in zip(running, updated, strict=True):
+        if t is None or all(s.is_broadcast for s in t._spec.nd_sbp):
+            continue
+        whole = GlobalTensor(new, t._spec._replace(nd_sbp=(broadcast,) * len(t._spec.nd_sbp)))
+        t._local.copy_(rebox(whole, t._spec.nd_sbp)._local)
+
+
 def wrap_native(outs, x, stat_spec: GlobalSpec, running: tuple = ()) -> tuple:
     """torch's BatchNorm outputs on the local tensors as global ones: (out, mean, invstd) laid
     out as `x` and `stat_spec` (the shape and dtype torch gave them), and, from the functional
@@ -423,9 +436,12 @@ def native_batch_norm(func, args, kwargs):
         )
     w, b, rm, rv = _locals((weight, bias, running_mean, running_var), len(nd))
     if not training or _parts(placement, nd) == 1:
-        return wrap_native(func(x._local, w, b, rm, rv, training, momentum, eps), x, stat_spec)
+        outs = wrap_native(func(x._local, w, b, rm, rv, training, momentum, eps), x, stat_spec)
+        _written_back((running_mean, running_var), (rm, rv), training)
+        return outs
     reduce = GroupSum(split_group(placement, nd, me))
     out, mean, invstd = forward(x._local, w, b, rm, rv, momentum, eps, _count(x), reduce)
+    _written_back((running_mean, running_var), (rm, rv), training)
     return (
         GlobalTensor(out, x._spec),
         GlobalTensor(mean, stat_spec),
