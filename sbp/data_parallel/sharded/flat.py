@@ -90,17 +90,27 @@ class FlatUnit:
         added to `into` where given (accumulating), else a new buffer; None adds nothing."""
         fresh = into is None
         if fresh:
-            into = torch.zeros(
+            into = torch.empty(
                 len(self.ranks), self.shard_len, dtype=self.dtype, device=self.device
             )
         for k, (spans, offs) in enumerate(zip(self.row_ranges, self.shard_offsets, strict=True)):
             chunk = into[k]
+            at = 0
             for g, (a, b), off, row in zip(grads, spans, offs, self.rows, strict=True):
                 n = (b - a) * row
-                if g is None or not n:
+                at = off + n
+                if not n:
                     continue
-                part = g.reshape(-1)[a * row : b * row]
-                chunk[off : off + n].add_(part)
+                slot = chunk[off:at]
+                if g is None:
+                    if fresh:
+                        slot.zero_()
+                elif fresh:
+                    slot.copy_(g.reshape(-1)[a * row : b * row])
+                else:
+                    slot.add_(g.reshape(-1)[a * row : b * row])
+            if fresh and at < self.shard_len:
+                chunk[at:].zero_()  # (padding)
         return into
 
     def shard_grads(self, reduced: torch.Tensor) -> list[torch.Tensor]:

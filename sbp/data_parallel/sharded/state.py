@@ -17,6 +17,7 @@ local tensors; this module gives it the parameters those runs need:
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +34,7 @@ from sbp.tensor import GlobalTensor
 GATHER = "sharded parameters"  # what sbp.comm_stats() names the gathers and reductions
 _PLAIN = torch._C.DisableTorchFunction  # (sbp's own copies and collectives, not the module's ops)
 PREFETCH = 2  # units whose gather is in flight while one computes (forward)
+IN_FLIGHT = 1  # gradient reductions in flight at once, per stage
 
 
 class _Token:
@@ -62,7 +64,6 @@ class _UnitState:
         self.leaves: list[torch.Tensor] = []
         self.grad: torch.Tensor | None = None  # (members, shard_len), collected
         self.waiting = 0  # applications of `_Gathered` whose backward has not run
-        self.launched: tuple | None = None  # (Pending reduce-scatter, its output)
         self.alive = False  # its whole parameters held, by sbp or autograd (`_alive`)
 
 
@@ -130,13 +131,15 @@ class Sharding:
         self.order = [u for u in self.units if u.unit.module is not None]  # forward order
         self.mode: str | None = None  # "check", "run" or None (hooks do nothing)
         self.sync = True
-        self.data_nd: tuple = ()
         self.trace: list | None = None  # set to a list to record events (tests)
         self._seen: list[_UnitState] = []  # this run's units in their forward order
         self._storages: dict[int, _UnitState] = {}  # gathered buffers packed as tokens
         self._queued = False
         self._launch_order: list[_UnitState] = []
         self._next = 0
+        self.replicas: tuple[int, ...] = ()  # ranks holding the same shards (hybrid)
+        self._scattering: deque = deque()  # (unit, Pending reduce-scatter), in launch order
+        self._summing: deque = deque()  # (unit, Pending all-reduce over the replicas)
         self.gathered_now = self.gathered_peak = 0  # bytes of whole parameters alive
         self._hooks = [
             h
@@ -250,7 +253,10 @@ class Sharding:
     def running(self, data_nd: tuple) -> Iterator[None]:
         """For a local run (inside the slots' swap): the root unit's whole parameters for
         the call, the others' while each runs; saved views of freed ones packed (ZeRO-3)."""
-        self.mode, self.data_nd = "run", data_nd
+        self.mode = "run"
+        self.replicas = self.placement.ranks_varying(
+            env.get_rank(), {h for h, s in enumerate(data_nd) if s.is_split and h != self.shard_dim}
+        )
         self._seen = []
         expected = self.order
         for u in self.units:
@@ -368,8 +374,28 @@ class Sharding:
         grad, u.grad = u.grad, None
         out = grad.new_empty(u.flat.shard_len)
         self._event("reduce", u)
+        self._complete(IN_FLIGHT - 1)  # (the older ones first: their buffers go)
         with stats.noted(GATHER, implicit=False, phase="backward"):
-            u.launched = (comm.reduce_scatter_async(out, grad, self.ranks), out)
+            self._scattering.append((u, comm.reduce_scatter_async(out, grad, self.ranks)))
+
+    def _complete(self, limit: int) -> None:
+        """Finish reductions, oldest first, until at most `limit` are in flight per stage:
+        the reduce-scatter, then (hybrid sharding) the all-reduce over the replicas. Each
+        finished one sets its gradients and frees its buffers during backward."""
+        while len(self._scattering) > limit:
+            u, pending = self._scattering.popleft()
+            out = pending.wait()
+            if len(self.replicas) > 1:  # hybrid: the shard summed over the other replicas
+                with stats.noted(GATHER, implicit=False, phase="backward"):
+                    self._summing.append((u, comm.all_reduce_async(out, "sum", self.replicas)))
+            else:
+                self._set_grads(u, out)
+            while len(self._summing) > limit:
+                u, pending = self._summing.popleft()
+                self._set_grads(u, pending.wait())
+        while len(self._summing) > limit:
+            u, pending = self._summing.popleft()
+            self._set_grads(u, pending.wait())
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait, and set the gradients."""
@@ -378,28 +404,12 @@ class Sharding:
                 for u in self._launch_order[self._next :]:
                     if u.grad is not None:
                         self._launch(u)
-            done = [u for u in self._launch_order if u.launched is not None]
-            replicas = self.placement.ranks_varying(
-                env.get_rank(),
-                {h for h, s in enumerate(self.data_nd) if s.is_split and h != self.shard_dim},
-            )
-            reduced = []
-            for u in done:
-                pending, out = u.launched
-                u.launched = None
-                out = pending.wait()
-                if len(replicas) > 1:  # hybrid: the shard summed over the other replicas
-                    with stats.noted(GATHER, implicit=False, phase="backward"):
-                        reduced.append((u, comm.all_reduce_async(out, "sum", replicas)))
-                else:
-                    reduced.append((u, None))
-                    self._set_grads(u, out)
-            for u, pending in reduced:
-                if pending is not None:
-                    self._set_grads(u, pending.wait())
+            self._complete(0)
         finally:
             self._queued = False
             self._next = 0
+            self._scattering.clear()
+            self._summing.clear()
             for u in self.units:
                 u.waiting = 0
                 self._drop(u)
