@@ -204,7 +204,16 @@ def _step(model, opt, x, y, P, clip=None, got=None):
     return loss.item()
 
 
-def _train(name, opt_name, data, ranks=None, layout=(("", (S0,)),), batch_nd=(S0,), clip=None):
+def _train(
+    name,
+    opt_name,
+    data,
+    ranks=None,
+    layout=(("", (S0,)),),
+    batch_nd=(S0,),
+    clip=None,
+    reshard=True,
+):
     """Train model `name` on `data`: with `ranks` None in one process with plain torch, else on
     `sbp.placement("cpu", ranks)`, converted by `layout` (see `_expected_nd`), the batch laid
     out as `batch_nd`. Returns a dict of what a test compares."""
@@ -213,6 +222,7 @@ def _train(name, opt_name, data, ranks=None, layout=(("", (S0,)),), batch_nd=(S0
     if P is not None:
         for prefix, nd in layout:
             (model.get_submodule(prefix) if prefix else model).to_global(P, nd)
+        sbp.nn.data_parallel(model, reshard_after_forward=reshard)
     opt = _optimizer(opt_name, model.parameters())
     got = {
         "losses": [],
@@ -290,6 +300,17 @@ def test_training_equals_one_process(request, name, opt_name, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_zero2_equals_one_process(pool2, name):
+    """reshard_after_forward=False (ZeRO-2: each unit's gathered parameters kept for
+    backward): the same training as one process."""
+    data = _data(name)
+    got = pool2.run(_train, name, "adamw", data, [0, 1], reshard=False)
+    ref = _train(name, "adamw", data)
+    for rank_got in got:
+        _check(rank_got, ref, "adamw")
+
+
 def test_clip_grad_norm_over_sharded_gradients(request, world):
     """`clip_grad_norm_` of the split(0) gradients: the total norm and the clipped gradients are
     one process's (the norm is over the logical gradients, not this rank's slices)."""

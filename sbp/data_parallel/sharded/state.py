@@ -65,6 +65,7 @@ class _UnitState:
         self.grad: torch.Tensor | None = None  # (members, shard_len), collected
         self.waiting = 0  # applications of `_Gathered` whose backward has not run
         self.alive = False  # its whole parameters held, by sbp or autograd (`_alive`)
+        self.packed = False  # backward will gather it again (a saved view was packed)
 
 
 class _Gathered(torch.autograd.Function):
@@ -300,6 +301,7 @@ class Sharding:
             return
         if u not in self._seen:
             self._seen.append(u)
+            u.packed = False
         views = self._enter(u)
         self._put(u, views)
         for ahead in range(1, PREFETCH + 1):
@@ -330,6 +332,7 @@ class Sharding:
         if self._storages and t.layout == torch.strided:
             u = self._storages.get(t.untyped_storage().data_ptr())
             if u is not None:
+                u.packed = True
                 return _Token(u, t)
         return t
 
@@ -340,7 +343,7 @@ class Sharding:
         if u.whole is None:
             self._whole(u, "backward")
             previous = self._after(u, self.order, -1)
-            if previous is not None and previous.waiting:
+            if previous is not None and previous.packed and previous.waiting:
                 self._start_gather(previous, "backward")
         return u.whole.as_strided(saved.size, saved.stride, saved.offset)
 
