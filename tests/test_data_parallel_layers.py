@@ -10,8 +10,13 @@ PACKAGE = pathlib.Path(sbp.__file__).parent / "data_parallel"
 
 # top first: a module may import (at module level) only modules after it
 LAYERS = [
+    "memory",
     "api",
     "call",
+    "sharded",
+    "sharded.state",
+    "sharded.flat",
+    "sharded.units",
     "torch_compile",
     "check",
     "local_run",

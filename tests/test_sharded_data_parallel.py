@@ -299,7 +299,6 @@ def test_training_equals_one_process(request, name, opt_name, world):
         _check(rank_got, ref, opt_name)
 
 
-@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_zero2_equals_one_process(pool2, name):
     """reshard_after_forward=False (ZeRO-2: each unit's gathered parameters kept for
@@ -311,6 +310,7 @@ def test_zero2_equals_one_process(pool2, name):
         _check(rank_got, ref, "adamw")
 
 
+@pytest.mark.parametrize("world", [2, 4])
 def test_clip_grad_norm_over_sharded_gradients(request, world):
     """`clip_grad_norm_` of the split(0) gradients: the total norm and the clipped gradients are
     one process's (the norm is over the logical gradients, not this rank's slices)."""

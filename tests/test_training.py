@@ -40,10 +40,10 @@ def _batches():
     ]
 
 
-def _train_global(world, opt_name):
+def _train_global(world, opt_name, layout=B):
     me = sbp.env.get_rank()
     P = sbp.placement("cpu", list(range(world)))
-    model = _mobilenet().to_global(P, B)
+    model = _mobilenet().to_global(P, layout)
     opt = _optimizer(opt_name, model.parameters())
     losses = []
     for x, y in _batches():
@@ -61,7 +61,7 @@ def _train_global(world, opt_name):
     if me != 0:
         return None
     grad_sbps = {tuple(p.grad.sbp) for p in model.parameters()}
-    return losses, params, buffers, grad_sbps
+    return losses, params, buffers, grad_sbps, sbp.nn.fast_path.state(model).last_path
 
 
 def train_one_process(model, opt, batches, loss_fn, max_norm):
@@ -89,12 +89,20 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize(("world", "opt_name"), [(2, "adamw"), (4, "sgd")])
-def test_mobilenet_v2_data_parallel_equals_one_process(pool4, world, opt_name):
-    """Each world and each optimizer once (the other pairs took 6 s and run no new path)."""
-    losses, params, buffers, grad_sbps = pool4.run(_train_global, world, opt_name, timeout=600)[0]
+@pytest.mark.parametrize(
+    ("world", "opt_name", "layout"),
+    [(2, "adamw", B), (4, "sgd", B), (2, "sgd", S0), (4, "adamw", S0)],
+)
+def test_mobilenet_v2_data_parallel_equals_one_process(pool4, world, opt_name, layout):
+    """Each world and each optimizer once per layout (the other pairs took 6 s and run no
+    new path): parameters broadcast, and sharded (`split(0)`: ZeRO-3, each of the 19
+    feature blocks a unit; BatchNorm statistics over the logical batch, buffers broadcast)."""
+    losses, params, buffers, grad_sbps, path = pool4.run(
+        _train_global, world, opt_name, layout, timeout=600
+    )[0]
     ref_losses, ref_params, ref_buffers = _train_reference(opt_name)
-    assert grad_sbps == {(B,)}  # partial gradients of broadcast parameters were all-reduced
+    assert path == ("fast" if layout == B else "sharded")
+    assert grad_sbps == {(layout,)}  # partial gradients reduced (all-reduce / reduce-scatter)
     for got, want in zip(losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
     assert _relative(params, ref_params) < 1e-4

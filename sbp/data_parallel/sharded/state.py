@@ -260,6 +260,7 @@ class Sharding:
         )
         self._seen = []
         expected = self.order
+        self._settle_pending()  # (a backward prefetch no backward used: stale by now)
         for u in self.units:
             self._drop(u)  # (a run that raised, a frozen unit's backward: let them go)
             u.leaves = [self.slots.leaf(p) for p in u.unit.params]
@@ -275,13 +276,17 @@ class Sharding:
                 self._start_gather(expected[0], "forward")
             with saved:
                 yield
+            # the first unit backward gathers again, started while the loss is computed
+            first = next((u for u in reversed(self._seen) if u.packed), None)
+            if first is not None:
+                self._settle_pending()
+                self._start_gather(first, "backward")
         finally:
             self.mode = None
             if self._seen:
                 self.order = self._seen + [u for u in self.order if u not in self._seen]
             if self.root is not None:  # (autograd keeps what backward needs)
                 self._drop(self.root, kept=self.root.waiting > 0)
-            self._settle_pending()
             self._storages.clear()
 
     def _enter(self, u: _UnitState) -> list[torch.Tensor]:
@@ -340,6 +345,13 @@ class Sharding:
         if type(saved) is not _Token:
             return saved
         u = saved.unit
+        if torch.is_grad_enabled():  # (backward with create_graph=True)
+            raise InputValueError(
+                f"sbp sharded data parallelism: a double backward (create_graph=True) through "
+                f"unit {u.name!r}, whose gathered parameters were freed after its forward: "
+                "they would come back as constants; keep them instead with "
+                "sbp.nn.data_parallel(model, reshard_after_forward=False)"
+            )
         if u.whole is None:
             self._whole(u, "backward")
             previous = self._after(u, self.order, -1)
