@@ -44,10 +44,10 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             "placement, sbp, shape=, sync_data=, check_meta= and grad_sbp="
         )
     bad = None
+    buffer_sbp = _buffer_sbp(placement, sbp)
     for t in module.parameters():
         if bad is None and not isinstance(t, GlobalTensor):
-            bad = bad_input(t, placement, sbp, kwargs.get("shape"))
-    buffer_sbp = _buffer_sbp(placement, sbp) if bad is None else sbp
+            bad = bad_input(t, placement, buffer_sbp if t.dim() == 0 else sbp, kwargs.get("shape"))
     for t in module.buffers():
         if bad is None and not isinstance(t, GlobalTensor):
             bad = bad_input(t, placement, buffer_sbp, kwargs.get("shape"))
@@ -76,7 +76,9 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
             if p is None:
                 continue
             if id(p) not in done:
-                done[id(p)] = _converted_parameter(p, convert(p))
+                # (a 0-dim parameter, a learnt scale, has no dim to split: whole everywhere)
+                value = convert(p, buffer_nd if p.dim() == 0 else nd)
+                done[id(p)] = _converted_parameter(p, value)
             sub._parameters[name] = done[id(p)]
         for name, b in list(sub._buffers.items()):
             if b is None:
@@ -88,8 +90,9 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
 
 
 def _buffer_sbp(placement: Placement, sbp: Any) -> Any:
-    """A split shards the parameters; buffers (running statistics, masks, counters) stay
-    broadcast, as FSDP2 and ZeRO shard parameters only (docs/api.md "Global modules")."""
+    """A split shards the parameters; buffers (running statistics, masks, counters) and
+    0-dim parameters stay broadcast, as FSDP2 and ZeRO shard parameters only (docs/api.md
+    "Global modules")."""
     try:
         nd = normalize_nd_sbp(sbp, placement.ndim)
     except Exception:  # noqa: BLE001 - a bad sbp: reported by bad_input for the parameters

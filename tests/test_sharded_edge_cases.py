@@ -683,7 +683,11 @@ def test_units_named_by_the_user(pool2, units, reshard):
 
 BAD = [
     ({"units": ["nope"]}, sbp.errors.InputValueError, "units names 'nope'"),
-    ({"units": ["blocks", "blocks.0"]}, sbp.errors.InputValueError, "units 'blocks.0' lies"),
+    (
+        {"units": ["blocks.0", "blocks.0.fc1"]},
+        sbp.errors.InputValueError,
+        "units 'blocks.0.fc1' lies",
+    ),
     ({"units": ["blocks.0.fc1", "blocks.0"]}, sbp.errors.InputValueError, "lies inside"),
     ({"units": [""]}, sbp.errors.InputValueError, "units names ''"),
     ({"units": "blocks.0"}, sbp.errors.InputTypeError, "units must be a list"),
@@ -857,7 +861,7 @@ def test_deepcopy_then_train_the_copy(pool2, ran_before):
     _compare(pool2, _deepcopy, ran_before)
 
 
-# ------------------------------------------------------------ failing today (xfail)
+# ------------------------------------------------------------ several backwards, inputs=, no_sync
 
 
 def _retain(ranks):
@@ -870,14 +874,9 @@ def _retain(ranks):
     return {"grads": _grads(model), "paths": [on.path(model)]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: the second backward of a retained graph reduces only the first "
-    "unit reached (blocks.1); blocks.0's and the root's .grad keep the first backward's "
-    "(ratio 1.0, one process 2.0): _finish reset every unit's `waiting` to 0, so "
-    "_launch_ready steps past units whose gradient has not arrived yet",
-)
 def test_backward_twice_with_retain_graph(pool2):
+    """A retained graph backpropagated twice doubles every gradient (before: only the first
+    unit reached was reduced again, silently)."""
     _compare(pool2, _retain)
 
 
@@ -893,13 +892,9 @@ def _retain_then_step(ranks):
     return {"grads": _grads(model), "paths": [on.path(model)]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: the gradients the second retained backward never reduced stay "
-    "in the units' buffers (_UnitState.grad) and are added to the NEXT step's gradients, "
-    "after zero_grad",
-)
 def test_gradients_after_a_retained_double_backward_do_not_leak(pool2):
+    """Nothing of a retained double backward is left over for the next step (before: the
+    unreduced gradients were added after zero_grad)."""
     _compare(pool2, _retain_then_step)
 
 
@@ -915,14 +910,10 @@ def _two_backwards(ranks, opts):
     return {"g1": g1, "grads": _grads(model), "paths": [on.path(model)]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: two forwards, then l1.backward() and l2.backward(): the second "
-    "adds only blocks.1's gradient, blocks.0's and the root's are l1's alone (same cause as "
-    "the retained double backward)",
-)
 @pytest.mark.parametrize("opts", [None, Z2], ids=["zero3", "zero2"])
 def test_two_forwards_then_two_backwards(pool2, opts):
+    """Two forwards, then each loss backpropagated: the second adds its gradients to every
+    unit (before: to the last unit only)."""
     _compare(pool2, _two_backwards, opts)
 
 
@@ -935,13 +926,9 @@ def _backward_inputs(ranks):
     return {"grads": _grads(model), "paths": [on.path(model)]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: loss.backward(inputs=[blocks.1.fc1.weight, out.bias]) sets .grad "
-    "on every parameter of their units too (inp.*, out.weight, blocks.1.*), which one "
-    "process and the broadcast model leave None",
-)
 def test_backward_with_inputs_sets_only_those(pool2):
+    """backward(inputs=[...]) sets `.grad` on those parameters only, as in one process
+    (before: on every parameter of their units)."""
     _compare(pool2, _backward_inputs)
 
 
@@ -957,13 +944,9 @@ def _no_sync_discarded(ranks):
     return {"grads": _grads(model), "paths": [on.path(model)]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: a backward under no_sync keeps its gradients in the units' "
-    "buffers (.grad stays None, not the partial sum docs/data_parallel.md promises), so "
-    "zero_grad() cannot discard them and the next backward adds them",
-)
 def test_zero_grad_discards_a_no_sync_backward(pool2):
+    """A backward under no_sync leaves `.grad` as partial sums, which zero_grad() discards
+    (before: they waited inside sbp and leaked into the next step)."""
     _compare(pool2, _no_sync_discarded)
 
 
@@ -986,21 +969,23 @@ def test_autograd_grad_of_the_parameters(pool2):
     _compare(pool2, _autograd_grad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=sbp.testing.SpmdError,
-    reason="model.to_global(P, sbp.split(0)) raises SbpSignatureError: sbp split dim 0 is "
-    "out of range for a tensor with 0 dims (a 0-dim parameter; 0-dim buffers stay broadcast)",
-)
 def test_zero_dim_parameter(pool2):
+    """A 0-dim parameter (a learnt scale) stays broadcast beside the sharded ones (before:
+    `to_global(P, split(0))` raised on it)."""
     _compare(pool2, _train, Scalar, _vec())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="units=['blocks'] (a ModuleList, never called) is accepted, then every call runs "
-    "op by op with the warning 'aten.addmm.default needs its inputs moved' (numbers right); "
-    "expected: a named error, or its children as units",
-)
+def _units_container(ranks):
+    on = _On(ranks)
+    try:
+        on.model(Net, {"units": ["blocks"]})
+    except sbp.InputValueError as e:
+        return str(e)
+    return "no error"
+
+
 def test_units_naming_a_container(pool2):
-    _compare(pool2, _train, Net, _vec(), {"units": ["blocks"]})
+    """units=["blocks"] names a ModuleList, which is never called: a named error (before:
+    accepted, and every call ran op by op with a misleading warning)."""
+    for message in pool2.run(_units_container, [0, 1]):
+        assert "'blocks', a ModuleList with no forward of its own" in message

@@ -149,7 +149,8 @@ def _bad_option(kwargs):
         ({"reshard_after_forward": "yes"}, "InputTypeError", "reshard_after_forward"),
         ({"units": "blocks.0"}, "InputTypeError", "units"),
         ({"units": ["blocks.9"]}, "InputValueError", "'blocks.9'"),
-        ({"units": ["blocks", "blocks.0"]}, "InputValueError", "'blocks.0' lies inside 'blocks'"),
+        ({"units": ["stages", "stages.1"]}, "InputValueError", "'stages.1' lies inside 'stages'"),
+        ({"units": ["blocks"]}, "InputValueError", "'blocks', a ModuleList with no forward"),
     ],
 )
 def test_bad_options_raise_on_every_rank(pool2, kwargs, error, named):

@@ -162,6 +162,7 @@ def data_parallel(
         if units is not None:
             s.units = None if units == "auto" else list(units)
         s._layouts.clear()  # (what a check allows depends on the units)
+        s._numbers_seen.clear()  # (checked again for the options, not for new numbers)
         if s._sharding is not None:
             s._shard(s._sharding.params())
     return module

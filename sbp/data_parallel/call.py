@@ -436,6 +436,7 @@ class DataParallel:
                 self.units,
                 self.reshard_after_forward,
             )
+            self._sharding.sync = self.sync  # (made inside no_sync: it applies)
 
     # ------------------------------------------------------------ checking pass
     def _check(self, inputs: Inputs, data_nd) -> Layout:

@@ -22,13 +22,13 @@ from collections.abc import Iterator
 
 import torch
 
-from sbp import comm, env
+from sbp import comm, env, gradients
 from sbp.comm import stats
 from sbp.data_parallel.sharded.flat import FlatUnit
 from sbp.data_parallel.sharded.units import Unit, units_of
 from sbp.errors import InputValueError
 from sbp.layout import GlobalSpec
-from sbp.signature import broadcast
+from sbp.signature import broadcast, splits_to_partials
 from sbp.tensor import GlobalTensor
 
 GATHER = "sharded parameters"  # what sbp.comm_stats() names the gathers and reductions
@@ -63,7 +63,10 @@ class _UnitState:
         self.pending: tuple | None = None  # (Pending all-gather, its output)
         self.leaves: list[torch.Tensor] = []
         self.grad: torch.Tensor | None = None  # (members, shard_len), collected
-        self.waiting = 0  # applications of `_Gathered` whose backward has not run
+        # applications of `_Gathered` in forwards since the last backward's end, and how
+        # many of them backward reached; parameters whose gradient a backward asked for
+        self.applied = self.arrived = 0
+        self.wanted: set[int] = set()
         self.alive = False  # its whole parameters held, by sbp or autograd (`_alive`)
         self.packed = False  # backward will gather it again (a saved view was packed)
 
@@ -81,7 +84,15 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        ctx.sharding._backward(ctx.state, grads)
+        # (the leaves whose accumulation this backward runs: all of them, or the parameters
+        # named by `backward(inputs=...)`)
+        leaves = ctx.next_functions[len(ctx.next_functions) - ctx.n :]
+        wanted = [
+            i
+            for i, (node, _) in enumerate(leaves)
+            if node is not None and torch._C._will_engine_execute_node(node)
+        ]
+        ctx.sharding._backward(ctx.state, grads, wanted)
         return (None, None, *([None] * ctx.n))
 
 
@@ -139,6 +150,7 @@ class Sharding:
         self._launch_order: list[_UnitState] = []
         self._next = 0
         self.replicas: tuple[int, ...] = ()  # ranks holding the same shards (hybrid)
+        self.partial_nd: tuple = ()  # a gradient not reduced yet (no_sync)
         self._scattering: deque = deque()  # (unit, Pending reduce-scatter), in launch order
         self._summing: deque = deque()  # (unit, Pending all-reduce over the replicas)
         self.gathered_now = self.gathered_peak = 0  # bytes of whole parameters alive
@@ -258,6 +270,7 @@ class Sharding:
         self.replicas = self.placement.ranks_varying(
             env.get_rank(), {h for h, s in enumerate(data_nd) if s.is_split and h != self.shard_dim}
         )
+        self.partial_nd = splits_to_partials(data_nd)
         self._seen = []
         expected = self.order
         self._settle_pending()  # (a backward prefetch no backward used: stale by now)
@@ -286,14 +299,14 @@ class Sharding:
             if self._seen:
                 self.order = self._seen + [u for u in self.order if u not in self._seen]
             if self.root is not None:  # (autograd keeps what backward needs)
-                self._drop(self.root, kept=self.root.waiting > 0)
+                self._drop(self.root, kept=_outstanding(self.root) > 0)
             self._storages.clear()
 
     def _enter(self, u: _UnitState) -> list[torch.Tensor]:
         """`u`'s whole parameters for a local run, in autograd where they are trained."""
         self._whole(u, "forward")
         if torch.is_grad_enabled() and any(leaf.requires_grad for leaf in u.leaves):
-            u.waiting += 1
+            u.applied += 1
             return list(_Gathered.apply(self, u, *u.leaves))
         return u.flat.views(u.whole)
 
@@ -330,7 +343,7 @@ class Sharding:
             self._storages.pop(u.whole.untyped_storage().data_ptr(), None) is not None
         )
         # ZeRO-3: saved views were packed; ZeRO-2 (and the last unit): autograd keeps them
-        self._drop(u, kept=torch.is_grad_enabled() and u.waiting > 0 and not packed)
+        self._drop(u, kept=torch.is_grad_enabled() and _outstanding(u) > 0 and not packed)
         self._event("freed", u)
 
     def _pack(self, t: torch.Tensor):
@@ -355,14 +368,16 @@ class Sharding:
         if u.whole is None:
             self._whole(u, "backward")
             previous = self._after(u, self.order, -1)
-            if previous is not None and previous.packed and previous.waiting:
+            if previous is not None and previous.packed and _outstanding(previous):
                 self._start_gather(previous, "backward")
         return u.whole.as_strided(saved.size, saved.stride, saved.offset)
 
     # ------------------------------------------------------------ gradients
-    def _backward(self, u: _UnitState, grads: tuple) -> None:
-        """A `_Gathered` of `u` reached in backward: collect its gradients; once every
-        application's have come, free the unit and reduce it (in order)."""
+    def _backward(self, u: _UnitState, grads: tuple, wanted: list[int]) -> None:
+        """A `_Gathered` of `u` reached in backward: collect its gradients; once the
+        applications of the forwards since the last backward have all come, free the unit
+        and reduce it (in order). Gradients of graphs kept from before (`retain_graph`)
+        are reduced at the end of backward."""
         if not self._queued:
             self._queued = True
             self._launch_order = [u for u in reversed(self.order)]
@@ -371,68 +386,109 @@ class Sharding:
             self._next = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         u.grad = u.flat.grads_in(list(grads), u.grad)
-        u.waiting = max(u.waiting - 1, 0)
+        u.wanted.update(wanted)
+        u.arrived += 1
         self._event("grad", u)
-        if u.waiting == 0:
+        if _outstanding(u) == 0:
             self._drop(u)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
+        """Launch, in the fixed order, the units whose gradients have all come; a unit no
+        forward applied since the last backward (a kept graph's) waits for the end."""
         order = self._launch_order
-        while self._next < len(order) and order[self._next].waiting == 0 and self.sync:
+        while self._next < len(order) and self.sync:
             u = order[self._next]
-            if u.grad is not None:
+            if u.applied and _outstanding(u):
+                return
+            if u.applied:
                 self._launch(u)
             self._next += 1
 
     def _launch(self, u: _UnitState) -> None:
+        """Start reducing `u`'s gradients, with the partial sums `no_sync` left in `.grad`."""
+        n = len(u.unit.params)
+        for i, p in enumerate(u.unit.params):
+            held = gradients.TORCH_GRAD.__get__(p)
+            if held is not None and held._spec.nd_sbp == self.partial_nd:
+                only = [held._local if j == i else None for j in range(n)]
+                u.grad = u.flat.grads_in(only, u.grad)
+                u.wanted.add(i)
+                p.grad = None  # (the reduced sum replaces it)
+        if u.grad is None:
+            return
         grad, u.grad = u.grad, None
+        wanted, u.wanted = u.wanted, set()
         out = grad.new_empty(u.flat.shard_len)
         self._event("reduce", u)
         self._complete(IN_FLIGHT - 1)  # (the older ones first: their buffers go)
         with stats.noted(GATHER, implicit=False, phase="backward"):
-            self._scattering.append((u, comm.reduce_scatter_async(out, grad, self.ranks)))
+            pending = comm.reduce_scatter_async(out, grad, self.ranks)
+        self._scattering.append((u, wanted, pending))
 
     def _complete(self, limit: int) -> None:
         """Finish reductions, oldest first, until at most `limit` are in flight per stage:
         the reduce-scatter, then (hybrid sharding) the all-reduce over the replicas. Each
         finished one sets its gradients and frees its buffers during backward."""
         while len(self._scattering) > limit:
-            u, pending = self._scattering.popleft()
+            u, wanted, pending = self._scattering.popleft()
             out = pending.wait()
             if len(self.replicas) > 1:  # hybrid: the shard summed over the other replicas
                 with stats.noted(GATHER, implicit=False, phase="backward"):
-                    self._summing.append((u, comm.all_reduce_async(out, "sum", self.replicas)))
+                    pending = comm.all_reduce_async(out, "sum", self.replicas)
+                self._summing.append((u, wanted, pending))
             else:
-                self._set_grads(u, out)
+                self._set_grads(u, wanted, out)
             while len(self._summing) > limit:
-                u, pending = self._summing.popleft()
-                self._set_grads(u, pending.wait())
+                u, wanted, pending = self._summing.popleft()
+                self._set_grads(u, wanted, pending.wait())
         while len(self._summing) > limit:
-            u, pending = self._summing.popleft()
-            self._set_grads(u, pending.wait())
+            u, wanted, pending = self._summing.popleft()
+            self._set_grads(u, wanted, pending.wait())
 
     def _finish(self) -> None:
-        """End of backward: launch what is left, wait, and set the gradients."""
+        """End of backward: launch what is left (in order), wait, and set the gradients;
+        under `no_sync`, leave each gradient in `.grad` as this rank's partial sum."""
         try:
-            if self.sync:
-                for u in self._launch_order[self._next :]:
-                    if u.grad is not None:
-                        self._launch(u)
+            for u in self._launch_order if self.sync else ():
+                self._launch(u)  # (nothing where nothing waits: launched already)
             self._complete(0)
+            if not self.sync:
+                for u in self._launch_order:
+                    self._keep_partial(u)
         finally:
             self._queued = False
             self._next = 0
             self._scattering.clear()
             self._summing.clear()
             for u in self.units:
-                u.waiting = 0
+                u.applied = u.arrived = 0
                 self._drop(u)
             self._settle_pending()
 
-    def _set_grads(self, u: _UnitState, reduced: torch.Tensor) -> None:
-        for p, g in zip(u.unit.params, u.flat.shard_grads(reduced), strict=True):
+    def _keep_partial(self, u: _UnitState) -> None:
+        """`no_sync`: `u`'s gradients, unreduced, added to `.grad` as partial sums (whole
+        tensors: this rank's share), reduced with the next synchronised backward's."""
+        if u.grad is None:
+            return
+        _, views = u.flat.copy_out(u.grad)
+        for i in sorted(u.wanted):
+            p, g = u.unit.params[i], views[i]
             if not p.requires_grad:
+                continue
+            held = p.grad
+            spec = p._spec._replace(nd_sbp=self.partial_nd)
+            if held is None:
+                p.grad = GlobalTensor(g, spec)
+            elif held._spec.nd_sbp == self.partial_nd:
+                held._local.add_(g)
+            else:  # (a reduced gradient from before: its share, in place)
+                p.grad = held.to_global(sbp=self.partial_nd) + GlobalTensor(g, spec)
+        u.grad, u.wanted = None, set()
+
+    def _set_grads(self, u: _UnitState, wanted: set[int], reduced: torch.Tensor) -> None:
+        for i, (p, g) in enumerate(zip(u.unit.params, u.flat.shard_grads(reduced), strict=True)):
+            if i not in wanted or not p.requires_grad:
                 continue
             held = p.grad
             if held is None:
@@ -442,6 +498,11 @@ class Sharding:
             else:  # (another layout, set by the user or op by op: summed there)
                 p.grad = held + GlobalTensor(g, p._spec)
         self._event("set", u)
+
+
+def _outstanding(u: _UnitState) -> int:
+    """Applications of `u`'s gather since the last backward whose gradients have not come."""
+    return max(u.applied - u.arrived, 0)
 
 
 def _broadcast_spec(spec: GlobalSpec) -> GlobalSpec:

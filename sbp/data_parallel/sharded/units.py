@@ -70,6 +70,11 @@ def units_of(root: torch.nn.Module, sharded: list, names: list[str] | None) -> l
                 f"sbp.nn.data_parallel: units names {n!r}, which is not a submodule of "
                 f"{type(root).__name__} (names as in model.named_modules())"
             )
+        if type(modules[n]).forward is torch.nn.Module.forward:
+            raise InputValueError(
+                f"sbp.nn.data_parallel: units names {n!r}, a {type(modules[n]).__name__} "
+                "with no forward of its own (never called): name its children"
+            )
     nested = [(a, b) for a in names for b in names if a != b and b.startswith(a + ".")]
     if nested:
         raise InputValueError(
