@@ -336,6 +336,32 @@ def test_conv_net_with_batch_norm(pool2):
         _check(rank_got, ref, "sgd")
 
 
+def _per_shard_statistics(layout):
+    """The conv net trained 2 steps on 2 ranks with per-shard BatchNorm statistics
+    (`batch_norm="local"`, as torch DDP without SyncBatchNorm)."""
+    P = sbp.placement("cpu", [0, 1])
+    model = _make("conv").to_global(P, layout)
+    sbp.nn.data_parallel(model, batch_norm="local")
+    opt = _optimizer("sgd", model.parameters())
+    losses = []
+    for x, y in _data("conv", steps=2):
+        losses.append(_step(model, opt, _batch(x, P, (S0,)), _batch(y, P, (S0,)), P))
+    params = [_full(p) for p in model.parameters()]
+    return losses, params, [_full(b) for b in model.buffers()], _path(model)
+
+
+def test_per_shard_batch_norm_statistics(pool2):
+    """batch_norm="local" on the sharded path: each rank's statistics, the first rank's
+    running statistics kept, exactly as the broadcast model's fast path computes them."""
+    for (losses, params, buffers, path), (want_l, want_p, want_b, want_path) in zip(
+        pool2.run(_per_shard_statistics, S0), pool2.run(_per_shard_statistics, B), strict=True
+    ):
+        assert (path, want_path) == ("sharded", "fast")
+        _close(losses, want_l, "loss of step")
+        _close(params, want_p, "parameter")
+        _close(buffers, want_b, "buffer")
+
+
 def _batch_norm_running_mean(ranks, nd):
     """`F.batch_norm` in train mode on a split(0) batch, its running mean laid out as `nd`."""
     P = sbp.placement("cpu", ranks)
