@@ -107,10 +107,10 @@ def _options(name: str) -> dict:
     return {"use_cache": False} if name.startswith(("llama", "gpt2")) else {}
 
 
-def _train(name: str, world: int | None, fast: bool = True, nd: tuple | None = None):
+def _train(name: str, world: int | None, fast: bool = True, nd: tuple | None = None, sharded=False):
     """Losses and parameters after SGD steps; where `world` is given, on global tensors:
     on ranks 0..world-1 and the batch split(0), or where `nd` is given, on a 2x2 placement
-    and the batch laid out as `nd`."""
+    and the batch laid out as `nd`; parameters broadcast, or `sharded` (split(0))."""
     import sbp.nn
 
     model = _model(name)
@@ -119,7 +119,7 @@ def _train(name: str, world: int | None, fast: bool = True, nd: tuple | None = N
         P = sbp.placement("cpu", [[0, 1], [2, 3]])
     nd = nd or (sbp.split(0),)
     if P is not None:
-        model.to_global(P, (sbp.broadcast,) * P.ndim)
+        model.to_global(P, (sbp.split(0) if sharded else sbp.broadcast,) * P.ndim)
         sbp.nn.data_parallel(model, fast=fast)
         sbp.manual_seed(0)  # (the dropout masks: the same draws for both paths)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -176,6 +176,20 @@ def test_transformers_model_trains_on_the_fast_path(pool2, name):
         assert paths == ["fast", "fast"]
         assert after == functions  # (the checking pass's wrappers are gone)
         # (transformers computes a causal LM's loss in float32)
+        rel = 1e-6 if name.startswith(("llama", "gpt2")) else 1e-12
+        assert losses == pytest.approx(ref_losses, rel=rel)
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert-padded"])
+def test_transformers_model_trains_sharded(pool2, name):
+    """Parameters split(0) (sharded data parallelism, ZeRO-3): the blocks of
+    `model.*.layers` / `h` are the units, the embeddings (GPT-2's tied to its head)
+    and final norm the root unit; the same training as one process."""
+    ref_losses, ref_params, *_ = _train(name, None)
+    for losses, params, paths, *_ in pool2.run(_train, name, 2, True, None, True):
+        assert paths == ["sharded", "sharded"]
         rel = 1e-6 if name.startswith(("llama", "gpt2")) else 1e-12
         assert losses == pytest.approx(ref_losses, rel=rel)
         for p, q in zip(params, ref_params, strict=True):
