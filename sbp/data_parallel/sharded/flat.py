@@ -115,7 +115,11 @@ class FlatUnit:
 
     def shard_grads(self, reduced: torch.Tensor) -> list[torch.Tensor]:
         """This rank's gradient of each parameter, views of its reduced flat shard."""
+        return self.shard_views(reduced)
+
+    def shard_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's part of each parameter, views of its flat shard (`shard_len`)."""
         return [
-            reduced[off : off + prod(s)].view(s)
+            shard[off : off + prod(s)].view(s)
             for off, s in zip(self.shard_offsets[self.me], self.local_shapes(self.me), strict=True)
         ]

@@ -17,6 +17,7 @@ local tensors; this module gives it the parameters those runs need:
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import deque
 from collections.abc import Iterator
 
@@ -31,6 +32,7 @@ from sbp.layout import GlobalSpec
 from sbp.signature import broadcast, splits_to_partials
 from sbp.tensor import GlobalTensor
 
+_LOCAL = operator.attrgetter("_local")
 GATHER = "sharded parameters"  # what sbp.comm_stats() names the gathers and reductions
 _PLAIN = torch._C.DisableTorchFunction  # (sbp's own copies and collectives, not the module's ops)
 PREFETCH = 2  # units whose gather is in flight while one computes (forward)
@@ -68,6 +70,10 @@ class _UnitState:
         self.applied = self.arrived = 0
         self.wanted: set[int] = set()
         self.alive = False  # its whole parameters held, by sbp or autograd (`_alive`)
+        # this rank's flat shard, the all-gather's input: the parameters' local tensors are
+        # views of it (`Sharding._adopt`), as FSDP2's sharded parameters are
+        self.shard: torch.Tensor | None = None
+        self.shard_views: list[torch.Tensor] = []
         self.packed = False  # backward will gather it again (a saved view was packed)
 
 
@@ -184,9 +190,24 @@ class Sharding:
         with _PLAIN():  # (not ops of the module: no check or local mode judges them)
             self._gather(u, phase)
 
+    def _adopt(self, u: _UnitState) -> None:
+        """Make `u`'s parameters' local tensors views of one flat shard (their values copied
+        in), unless they are already: the optimizer then updates the all-gather's input in
+        place, and no gather copies it in. A parameter rebound since (`p.data = ...`) is
+        adopted again at the next gather."""
+        params = u.unit.params
+        if u.shard is not None and all(map(operator.is_, map(_LOCAL, params), u.shard_views)):
+            return
+        with _PLAIN():
+            u.shard = u.flat.copy_in([p._local for p in params])
+            u.shard_views = u.flat.shard_views(u.shard)
+        for p, view in zip(params, u.shard_views, strict=True):
+            p._local = view  # (a counted rebinding: the slots make their leaves again)
+
     def _gather(self, u: _UnitState, phase: str) -> None:
         flat = u.flat
-        mine = flat.copy_in([p._local for p in u.unit.params])
+        self._adopt(u)
+        mine = u.shard
         out = mine.new_empty(len(self.ranks), flat.shard_len)
         self._event("gather", u)
         with stats.noted(GATHER, implicit=False, phase=phase):
