@@ -4,6 +4,7 @@ during backward), the units the policy picks, its options, and `sbp.nn.memory_re
 Exactness against one process: tests/test_sharded_data_parallel.py."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -194,3 +195,31 @@ def test_memory_report(pool2, reshard):
             assert 0 < sharded["gathered_peak"] < whole
         else:
             assert sharded["gathered_peak"] == whole
+
+
+def _diverging(option):
+    """One rank with another sharding setting than the other's."""
+    P = sbp.placement("cpu", [0, 1])
+    model = _stack().to_global(P, S0)
+    first = sbp.env.get_rank() == 0
+    if option == "reshard":
+        sbp.nn.data_parallel(model, reshard_after_forward=first)
+    else:
+        sbp.nn.data_parallel(model, units=["0", "2"] if first else "auto")
+    x, y = _global(torch.randn(8, 16, dtype=torch.float64), torch.zeros(8, dtype=torch.long), P)
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+    except sbp.MetaMismatchError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("option", ["reshard", "units"])
+def test_ranks_with_other_sharding_settings_raise_on_every_rank(pool2, option):
+    """ZeRO-3 on one rank and ZeRO-2 on the other (or other units) run other collectives:
+    named on every rank at the first that differs, well within the timeout."""
+    for message, took in pool2.run(_diverging, option):
+        assert "collectives out of step" in message
+        assert took < 30
