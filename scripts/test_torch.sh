@@ -19,4 +19,4 @@ echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 exec "$venv/bin/python" -m pytest -q tests/test_compile.py tests/test_data_parallel.py \
   tests/test_comm.py tests/test_ops.py tests/test_optim_step.py tests/test_checkpoint.py \
   tests/test_tensor.py tests/test_fast_path_outputs.py tests/test_transformers_fast_path.py \
-  tests/test_recurrent.py "$@"
+  tests/test_recurrent.py tests/test_sharded_path.py tests/test_sharded_edge_cases.py "$@"
