@@ -14,7 +14,7 @@ import torch
 
 from sbp import comm
 from sbp.comm import stats
-from sbp.data_parallel.waiting import Waiting, wait
+from sbp.data_parallel.waiting import Waiting
 from sbp.gradients import BUCKET_BYTES, BUCKETS, TORCH_GRAD, run_all
 
 _GRAD = attrgetter("grad")
@@ -66,7 +66,7 @@ class Reducer:
         self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
         self._refs: list[tuple[int, int] | None] = [None] * len(self._buckets)
         self._slots: dict[int, torch.Tensor] = {}
-        # per parameter: what holds its gradient where nothing waits for it (`waiting.wait`)
+        # per parameter: what holds its gradient where nothing waits for it (`_wait`)
         self._spares = [Waiting() for _ in params]
         for b, bucket in enumerate(self._buckets):
             offset = 0
@@ -261,7 +261,8 @@ class Reducer:
         self._refs[b] = _held(flat, [self._slots[j] for j in members])
 
     def _wait(self, i: int, grad: torch.Tensor) -> None:
-        """Parameter i's summed gradient waits for it, plain (`waiting.wait`); where it
+        """Parameter i's summed gradient waits for it, plain, added to what waits already
+        (`waiting.Waiting`; this reducer's spare one holds it where nothing waited); where it
         holds a `.grad` (`zero_grad(set_to_none=False)`, no_sync steps), it goes into that
         one at once, as torch accumulates: a reference kept to it sees this backward. A
         partial one from no_sync steps becomes whole: summed into `grad` already over
@@ -278,7 +279,15 @@ class Reducer:
             else:
                 current._local.add_(grad)
             return
-        wait(p, grad, self._spares[i])
+        waiting = p._pending
+        if waiting is None:
+            spare = self._spares[i]  # (empty, and in no slot)
+            spare.grad = grad
+            object.__setattr__(p, "_pending", spare)  # (bookkeeping: not a rebinding)
+        elif waiting.grad is None:
+            waiting.grad = grad
+        else:
+            waiting.grad.add_(grad)
 
     def _launch(self, b: int) -> None:
         members = self._buckets[b]

@@ -17,14 +17,15 @@ a rebinding: the optimizer's swap caches the claims); one without leaves when em
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter, is_
 
 import torch
 
-from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD
+from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, run_all
 
 PENDING = attrgetter("_pending")  # a global tensor's pending gradient's owner, or None
+_PENDING_GRAD = attrgetter("_pending.grad")  # (raises where `_pending` is None)
 
 
 class Waiting:
@@ -67,22 +68,12 @@ class Waiting:
             self.claim[0].drop([self.claim])
 
 
-def wait(p: torch.Tensor, grad: torch.Tensor, spare: Waiting) -> None:
-    """`grad` waits for `p`, added to what waits already; `spare` (empty, out of every
-    slot: the reducer keeps one per parameter) holds it where nothing waited."""
-    waiting = p._pending
-    if waiting is None:
-        spare.grad = grad
-        object.__setattr__(p, "_pending", spare)  # (bookkeeping: not a rebinding)
-    elif waiting.grad is None:
-        waiting.grad = grad
-    else:
-        waiting.grad.add_(grad)
-
-
 def waiting_grads(params: list) -> list:
     """The gradient waiting plain for each of global `params`, or None (in C loops)."""
-    return list(map(getattr, map(PENDING, params), repeat("grad"), repeat(None)))
+    try:
+        return list(map(_PENDING_GRAD, params))  # (the usual: every one waits)
+    except AttributeError:
+        return list(map(getattr, map(PENDING, params), repeat("grad"), repeat(None)))
 
 
 def claims(params: list) -> list:
@@ -109,14 +100,23 @@ def drop_waiting(params: list) -> bool:
     none of `params` a `.grad` left? A `zero_grad(set_to_none=True)` then has nothing more
     to do: torch's would read every `.grad` in Python."""
     pending = list(map(getattr, params, repeat("_pending"), repeat(None)))
-    waiting = list(map(getattr, pending, repeat("grad"), repeat(None)))
-    if not all(map(is_, waiting, repeat(None))):
+    if all(map(is_, pending, repeat(None))):  # (nothing waits: op by op, or all taken)
+        with PLAIN_GETTERS():
+            return all(map(is_, map(TORCH_GRAD.__get__, params), repeat(None)))
+    held = list(map(getattr, pending, repeat("claim"), repeat(None)))
+    if all(map(is_, held, repeat(None))):
+        # (several ranks: every owner holds a plain gradient, and goes; in C loops)
+        run_all(map(setattr, filter(None, pending), repeat("grad"), repeat(None)))
+        run_all(
+            map(object.__setattr__, compress(params, pending), repeat("_pending"), repeat(None))
+        )
+    else:
+        waiting = list(map(getattr, pending, repeat("grad"), repeat(None)))
         for p, owner, grad in zip(params, pending, waiting, strict=True):
             if grad is not None:
                 owner.grad = None
                 if owner.claim is None:
                     object.__setattr__(p, "_pending", None)
-    held = list(map(getattr, pending, repeat("claim"), repeat(None)))
     first = held[0][0] if held and held[0] is not None else None
     if first is not None and first.holds_all(held):
         first.drop(held)  # (the usual: one reducer's claims, all of them)
