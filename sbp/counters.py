@@ -16,7 +16,7 @@ class Counters:
     def __init__(self) -> None:
         # How many times a watched global tensor was rebound: its local tensor, spec, data
         # or class set (`GlobalTensor.__setattr__`), or the one-rank reducer whose leaf holds
-        # its gradient (`_waiting_in`, see sbp.gradients). (Not requires_grad: torch's C++
+        # its gradient (`_pending`, see sbp.data_parallel.waiting). (Not requires_grad: torch's C++
         # turns it off unseen, as `torch.detach_(p)` does, so the fast path reads it every
         # call.) A cache that checked hundreds of global tensors at one count need not read
         # them again while it holds: nothing else changes what they hold (in-place ops

@@ -7,11 +7,9 @@ a bucket, and when the backward pass ends one flat all-reduce per bucket makes
 every such gradient whole. Every rank sees the same leaves in the same order
 (SPMD), so buckets match across ranks. Other mismatches are boxed at once.
 
-The data-parallel fast path computes gradients on plain local leaves and sums them
-with a `sbp.data_parallel.reducer.Reducer`; the sums wait, plain, until `.grad` is read
-(`take_waiting`, kept here: `GlobalTensor.grad` calls it). On one
-rank nothing is summed: each gradient waits in its leaf's `.grad`, where autograd put it.
-A `.grad` a parameter already holds gets the sum at once, as torch accumulates into it.
+The data-parallel fast path sums its gradients apart (`sbp.data_parallel.reducer`), and
+they wait plain on their parameters (`sbp.data_parallel.waiting`); it uses the helpers
+at the top of this module for its loops over every parameter.
 """
 
 from __future__ import annotations
@@ -19,10 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
-from itertools import repeat
-from operator import attrgetter, is_
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
@@ -31,40 +26,12 @@ from sbp.comm import shm, stats
 
 BUCKET_BYTES = 25 * 2**20
 BUCKETS = "gradient buckets"  # the cause traced collectives of the reduction name
-WAITING_GRAD = attrgetter("_waiting_grad")  # a parameter's plain summed gradient, or None
-# a parameter's (one-rank Reducer, local leaf) whose `.grad` is its gradient, or None
-WAITING_IN = attrgetter("_waiting_in")
 _pending: dict = {}  # id(grad) -> (weak reference, target nd_sbp), in arrival order
 TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor's
 # torch's C getters (`.grad`, `.requires_grad`) look up a subclass's __torch_function__ at
 # every read, ~0.17 us on a GlobalTensor (whose is disabled); inside this they do not. For
 # the loops over every parameter that run each step.
 PLAIN_GETTERS = torch._C.DisableTorchFunctionSubclass
-
-
-# The data-parallel fast paths alive (`sbp.data_parallel.call.DataParallel`): each computes its
-# parameters' gradients in local leaves, and knows which (`local_leaves`).
-LEAF_OWNERS: weakref.WeakSet = weakref.WeakSet()
-
-
-def local_leaves(inputs: torch.Tensor | Iterable[torch.Tensor]) -> list:
-    """`inputs` of a `backward(inputs=...)` with each fast-path parameter replaced by the
-    local leaf its local graph accumulates into: the parameter itself is in no graph."""
-    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    for owner in list(LEAF_OWNERS):
-        tensors = owner.local_leaves(tensors)
-    return tensors
-
-
-def leaf_grad_spec(p: torch.Tensor) -> Any:
-    """The layout of a gradient taken at fast-path parameter `p`'s local leaf (by
-    `torch.autograd.grad`): this rank's share of the logical gradient, a partial sum over
-    the ranks splitting the batch; None where `p` has no local leaf."""
-    for owner in list(LEAF_OWNERS):
-        spec = owner.leaf_grad_spec(p)
-        if spec is not None:
-            return spec
-    return None
 
 
 def has_user_hooks(p: torch.Tensor) -> bool:
@@ -217,70 +184,6 @@ def _all_reduce_bucket(bucket: list, groups: list[tuple[int, ...]]) -> None:
         offset += n
 
 
-# ---------------------------------------------------------------- gradients not yet wrapped
-
-
-def take_waiting(p: torch.Tensor) -> None:
-    """Wrap the gradient waiting on global parameter `p` into its `.grad` (or add it to the
-    one there): `GlobalTensor.grad` calls this when read.
-
-    The fast path's reducer leaves each summed gradient, this rank's local part of it, in
-    `p._waiting_grad` rather than in a new global tensor per parameter and backward. An
-    optimizer step on locals takes it as it is (`local_grad`) and `zero_grad` drops it
-    (`sbp.optim_step`), so a training step wraps no gradient at all: for mobilenet_v2,
-    ~160 wrappers made, assigned and freed, ~8 us each on this project's CPU.
-
-    On one rank the gradient may also wait in the `.grad` of the parameter's local leaf
-    (`p._waiting_in`, see `sbp.data_parallel.reducer.Reducer.backward_started`): it is taken from there too."""
-    grad = p._waiting_grad
-    if p._waiting_in is not None:
-        held = p._waiting_in[0].take(p._waiting_in[1])
-        if held is not None:
-            grad = held if grad is None else grad.add_(held)
-    if grad is None:
-        return
-    object.__setattr__(p, "_waiting_grad", None)  # (bookkeeping: not a rebinding)
-    current = TORCH_GRAD.__get__(p)
-    if current is None:
-        spec = p._spec if grad.dtype == p._spec.dtype else p._spec._replace(dtype=grad.dtype)
-        TORCH_GRAD.__set__(p, type(p)(grad, spec))  # (a GlobalTensor: params are)
-    else:
-        current._local.add_(grad)
-
-
-def local_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """The local tensor of global `p.grad`, without wrapping a gradient waiting plain on
-    `p` (one waiting in a leaf is wrapped: the leaf is the optimizer's local then)."""
-    if TORCH_GRAD.__get__(p) is None and p._waiting_in is None:
-        return p._waiting_grad
-    take_waiting(p)
-    grad = TORCH_GRAD.__get__(p)
-    return None if grad is None else grad._local
-
-
 def run_all(calls: Iterator) -> None:
     """Run a lazy map of calls in C (a loop over hundreds of parameters each step)."""
     deque(calls, maxlen=0)
-
-
-def drop_waiting(params: list) -> bool:
-    """`zero_grad` of the waiting gradients of `params` (plain tensors have none); then, has
-    none of `params` a `.grad` left? A `zero_grad(set_to_none=True)` then has nothing more
-    to do: torch's would read every `.grad` in Python."""
-    waiting = list(map(getattr, params, repeat("_waiting_grad"), repeat(None)))
-    if not all(map(is_, waiting, repeat(None))):
-        for p, grad in zip(params, waiting, strict=True):
-            if grad is not None:
-                object.__setattr__(p, "_waiting_grad", None)
-    claims = list(map(getattr, params, repeat("_waiting_in"), repeat(None)))
-    first = claims[0][0] if claims and claims[0] is not None else None
-    if first is not None and first.holds_all(claims):
-        first.drop(claims)  # (the usual: one reducer's claims, all of them)
-    elif not all(map(is_, claims, repeat(None))):
-        held: dict = {}  # {one-rank Reducer: its claims among params}
-        for claim in filter(None, claims):
-            held.setdefault(claim[0], []).append(claim)
-        for reducer, own in held.items():
-            reducer.drop(own)
-    with PLAIN_GETTERS():
-        return all(map(is_, map(TORCH_GRAD.__get__, params), repeat(None)))

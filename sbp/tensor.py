@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._guards import TracingContext
 
-from sbp import boxing, env, gradients, trace
+from sbp import boxing, env, gradients, stand_ins, trace
 from sbp.comm import agreement, stats
 from sbp.counters import COUNTS
 from sbp.errors import (
@@ -44,14 +44,13 @@ from sbp.signature import NdSbp, broadcast, format_nd_sbp, normalize_nd_sbp, par
 class GlobalTensor(torch.Tensor):
     """A logical tensor with a placement and an SBP signature (see docs/api.md)."""
 
-    # Slots: every op reads `_local` and `_spec`, and every step the two waiting ones of
-    # each parameter. A slot is read in the object itself; an attribute in `__dict__` is
-    # a lookup in another table, most often out of the CPU's caches by then.
-    __slots__ = ("_local", "_spec", "_waiting_grad", "_waiting_in", "_copy_of", "_watched")
+    # Slots: every op reads `_local` and `_spec`, and every step `_pending` of each
+    # parameter. A slot is read in the object itself; an attribute in `__dict__` is a
+    # lookup in another table, most often out of the CPU's caches by then.
+    __slots__ = ("_local", "_spec", "_pending", "_copy_of", "_watched")
     _local: torch.Tensor
     _spec: GlobalSpec
-    _waiting_grad: torch.Tensor | None  # (a parameter's: see `grad`)
-    _waiting_in: tuple | None  # (a parameter's on one rank: see `grad`)
+    _pending: Any  # the owner of a gradient held for it elsewhere, or None: see `grad`
     _copy_of: Any  # a view's CopyOf, where sbp had to copy it (sbp.ops.writes)
     _watched: bool  # a cache keeps what it holds: its rebinding counts (`COUNTS.rebinds`)
 
@@ -72,8 +71,7 @@ class GlobalTensor(torch.Tensor):
         )
         _SET_LOCAL(out, local)
         _SET_SPEC(out, spec)
-        _SET_WAITING_GRAD(out, None)
-        _SET_WAITING_IN(out, None)
+        _SET_PENDING(out, None)
         _SET_COPY_OF(out, None)
         _SET_WATCHED(out, False)
         return out
@@ -81,8 +79,8 @@ class GlobalTensor(torch.Tensor):
     def __setattr__(self, name: str, value: Any) -> None:
         """Counts a rebinding of a watched tensor (`COUNTS.rebinds`), so that caches over global
         tensors (the data-parallel fast path's parameters, the optimizer's state) know when
-        to look again. The waiting gradients, written for every parameter every step, are
-        written around it (`object.__setattr__`)."""
+        to look again. A pending gradient's owner, where written for every parameter every
+        step, is written around it (`object.__setattr__`)."""
         if name in _REBINDING and self._watched:
             COUNTS.rebinds += 1
         elif name == "_watched" and self._watched:
@@ -249,10 +247,10 @@ class GlobalTensor(torch.Tensor):
         create_graph: bool = False,
         inputs: Any = None,
     ) -> None:
-        """torch's backward; `inputs` that are data-parallel fast-path parameters stand for
-        the local leaves their gradients accumulate in (`sbp.gradients.local_leaves`)."""
+        """torch's backward; `inputs` whose gradients autograd makes in stand-ins are
+        replaced by them (`sbp.stand_ins`: the data-parallel fast path's local leaves)."""
         if inputs is not None:
-            inputs = gradients.local_leaves(inputs)
+            inputs = stand_ins.replace(inputs)
         torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs)
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
@@ -270,20 +268,18 @@ class GlobalTensor(torch.Tensor):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        """torch's `.grad`; a gradient the data-parallel fast path left waiting, plain (on
-        the parameter, or in its local leaf), is wrapped in first
-        (`sbp.gradients.take_waiting`)."""
-        if self._waiting_grad is not None or self._waiting_in is not None:
-            gradients.take_waiting(self)
+        """torch's `.grad`; a gradient held for this tensor elsewhere (the data-parallel
+        fast path's, plain: `sbp.data_parallel.waiting`) is taken in first: its owner,
+        in `_pending`, provides `take(tensor)`, and `drop(tensor)` for a `.grad` set."""
+        if self._pending is not None:
+            self._pending.take(self)
         return gradients.TORCH_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
         gradients.TORCH_GRAD.__set__(self, value)
-        if self._waiting_grad is not None:
-            _SET_WAITING_GRAD(self, None)
-        if self._waiting_in is not None:
-            self._waiting_in[0].drop([self._waiting_in])
+        if self._pending is not None:
+            self._pending.drop(self)
 
     @grad.deleter
     def grad(self) -> None:
@@ -438,11 +434,10 @@ def _dense_in_order(t: torch.Tensor, memory_format: torch.memory_format) -> bool
 
 
 # (what counts as a rebinding: `sbp.counters.Counters.rebinds`)
-_REBINDING = frozenset(["_local", "_spec", "data", "__class__", "__dict__", "_waiting_in"])
+_REBINDING = frozenset(["_local", "_spec", "data", "__class__", "__dict__", "_pending"])
 _SET_LOCAL = GlobalTensor._local.__set__
 _SET_SPEC = GlobalTensor._spec.__set__
-_SET_WAITING_GRAD = GlobalTensor._waiting_grad.__set__
-_SET_WAITING_IN = GlobalTensor._waiting_in.__set__
+_SET_PENDING = GlobalTensor._pending.__set__
 _SET_COPY_OF = GlobalTensor._copy_of.__set__
 _SET_WATCHED = GlobalTensor._watched.__set__
 

@@ -80,7 +80,9 @@ def _waiting_type(p):
     its local leaf, when torch's own `.grad` of `p` is still empty; else None's."""
     if torch._C.TensorBase.grad.__get__(p) is not None:
         return type(None)
-    waiting, claim = p._waiting_grad, p._waiting_in
+    pending = p._pending
+    waiting = None if pending is None else pending.grad
+    claim = None if pending is None else pending.claim
     return type(waiting if waiting is not None or claim is None else claim[1].grad)
 
 

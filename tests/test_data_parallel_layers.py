@@ -32,6 +32,7 @@ LAYERS = [
     "layout",
     "by_name",
     "optim_step",
+    "waiting",
 ]
 
 

@@ -22,7 +22,7 @@ later call with that layout runs the module's own forward on local tensors:
   so every local gradient is this rank's share of the logical one;
 - the leaves' gradients are summed by `reducer.Reducer`, bucket by
   bucket during backward, and land in each parameter's `.grad` in its sbp
-  (kept plain until `.grad` is read: `sbp.gradients.take_waiting`).
+  (kept plain until `.grad` is read: `waiting`).
 Anything else (another layout, parameters that are not broadcast, a module
 whose check failed, ranks outside the placement) runs op by op as before.
 
@@ -40,7 +40,8 @@ The modules, each importing only those listed after it (docs/design.md):
 - `slots`: parameter and buffer slots swapped for local tensors, undo of a trial run;
 - `inputs`, `layout`: a call's arguments walked once; what a check found per layout;
 - `by_name`: names of `torch.nn.functional` and module forwards replaced for a call;
-- `optim_step`: optimizer steps on the locals of broadcast parameters.
+- `optim_step`: optimizer steps on the locals of broadcast parameters;
+- `waiting`: a summed gradient waiting, plain, for its parameter (`GlobalTensor._pending`).
 
 This package imports nothing itself: `sbp.nn.fast_path` re-exports the public names.
 """

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from sbp import gradients
 from sbp.data_parallel import torch_compile
 from sbp.data_parallel.call import DataParallel
 from sbp.data_parallel.sharded.units import units_of
 from sbp.data_parallel.torch_compile import _leaving_backend, _set_eval_frame, _skip_frame, _traced
+from sbp.data_parallel.waiting import drop_waiting
 from sbp.errors import InputTypeError, InputValueError, PlacementError
 from sbp.nn import compiled_batch_norm, shard_batch_norm
 from sbp.placement import placement as Placement
@@ -69,8 +69,8 @@ SETTLE_HOOK = "_sbp_settle_buffers_hook"
 
 def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
     """`module.zero_grad()` that drops the gradients waiting plain on its parameters as they
-    are (`sbp.gradients.take_waiting`): torch's reads each, which would wrap it first."""
-    if set_to_none and gradients.drop_waiting(list(module.parameters())):
+    are (`waiting.drop_waiting`): torch's reads each, which would wrap it first."""
+    if set_to_none and drop_waiting(list(module.parameters())):
         return  # (nothing left: torch's would read every `.grad` in Python)
     type(module).zero_grad(module, set_to_none)
 

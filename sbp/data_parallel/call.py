@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sbp import comm, env, gradients, local_constants
+from sbp import comm, env, gradients, local_constants, stand_ins
 from sbp.comm import arrival
 from sbp.counters import COUNTS
 from sbp.data_parallel import torch_compile
@@ -132,7 +132,7 @@ class DataParallel:
         # outputs are `sbp.nn.outputs.FastPathOutput`s (their losses run on local tensors)
         # until one is passed to a compiled function
         self.twins = True
-        gradients.LEAF_OWNERS.add(self)  # (a backward's inputs=[parameters]: local_leaves)
+        stand_ins.OWNERS.add(self)  # (a backward's inputs=[parameters]: local_leaves)
 
     def __deepcopy__(self, memo: dict) -> DataParallel:
         """`copy.deepcopy` of the module: the copy gets a fresh fast path with the same
@@ -598,7 +598,7 @@ class DataParallel:
         return [t if leaf is None else leaf for t, leaf in zip(tensors, leaves, strict=True)]
 
     def leaf_grad_spec(self, p: torch.Tensor) -> GlobalSpec | None:
-        """See `sbp.gradients.leaf_grad_spec`."""
+        """See `sbp.stand_ins.grad_spec`."""
         if self._leaf_of(p) is None or self._reducer is None:
             return None
         return p._spec._replace(nd_sbp=self._reducer.partial_nd)

@@ -11,7 +11,7 @@ An optimizer's first step runs on the global tensors, through the list rules
 (`sbp.ops.optim`), and `install` (a global step pre-hook) gives the optimizer a `step`
 and a `zero_grad` of its own. Every later step puts, for each group that qualifies, the
 locals in `group["params"]` (their `.grad` the gradients' locals, or the plain
-gradients the data-parallel fast path left waiting: `sbp.gradients.take_waiting`; on one
+gradients the data-parallel fast path left waiting: `sbp.data_parallel.waiting`; on one
 rank the locals are the fast path's leaves, which hold the gradients already) and, in
 the optimizer's state, each local's state under it (its global tensors' locals; where
 every entry is a swapped parameter's, the step sees a state of the locals alone, kept
@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
-from sbp import env, gradients, optim_agreement
+from sbp import env, optim_agreement
 from sbp.counters import COUNTS
+from sbp.data_parallel.waiting import claims, drop_waiting, local_grad, waiting_grads
 from sbp.errors import PlacementError
-from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, WAITING_GRAD, WAITING_IN, run_all
+from sbp.gradients import PLAIN_GETTERS, TORCH_GRAD, run_all
 from sbp.ops.optim import _LOCAL, _ND_SBP, _PLACEMENT, _SPEC, _all_are
 from sbp.ops.registry import note_optimizer_step
 from sbp.signature import broadcast, normalize_nd_sbp
@@ -188,7 +189,7 @@ def _zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> No
     """zero_grad that drops waiting gradients as they are, plain: reading them,
     as torch's zero_grad does, would wrap each in a global tensor only to drop it."""
     if set_to_none:
-        cleared = [gradients.drop_waiting(g["params"]) for g in optimizer.param_groups]
+        cleared = [drop_waiting(g["params"]) for g in optimizer.param_groups]
         if all(cleared):
             return  # (the usual step: every gradient was waiting)
     optimizer.__dict__[_ZERO_GRAD](set_to_none)
@@ -372,7 +373,7 @@ class _GroupSwap:
         # Where every gradient waits in a leaf of one one-rank reducer (the data-parallel
         # fast path's, sharing storage with the parameter's local), the step runs on those
         # leaves and finds the gradients there: `held` their claims (else None each)
-        self.claims = list(map(WAITING_IN, params))
+        self.claims = claims(params)
         reducer = self.claims[0][0] if self.claims[0] is not None else None
         self.held = reducer is not None and (
             reducer.exclusive
@@ -458,7 +459,7 @@ class _GroupSwap:
         return (
             all(map(is_, map(_SPEC, params), self.specs))
             and all(map(is_, map(_LOCAL, params), self.bases))
-            and all(map(is_, map(WAITING_IN, params), self.claims))
+            and all(map(is_, claims(params), self.claims))
         )
 
     def _same_values(self, values: list) -> bool:
@@ -476,13 +477,13 @@ class _GroupSwap:
             raw = list(map(TORCH_GRAD.__get__, self.params))
         if all(map(is_, raw, repeat(None))) and not self.mixed:  # (the usual: all waiting)
             if not self.held:
-                return list(map(WAITING_GRAD, self.params)), True
-            if all(map(is_, map(WAITING_GRAD, self.params), repeat(None))):
+                return waiting_grads(self.params), True
+            if all(map(is_, waiting_grads(self.params), repeat(None))):
                 return None, False
         placement = self.specs[0].placement
         if not _all_whole([g for g in raw if g is not None], self.whole, placement):
             return None
-        return list(map(gradients.local_grad, self.params)), True
+        return list(map(local_grad, self.params)), True
 
     def unchanged(self, stepped: list) -> bool:
         """Did the step update the state only in place (the usual step)?"""

@@ -1,7 +1,6 @@
 """The data-parallel fast path's gradient reducer: local leaves' gradients summed over the
 ranks splitting the batch in buckets while backward runs, as torch DDP's reducer does; each
-sum then waits, plain, on its parameter until `.grad` is read (`sbp.gradients.take_waiting`,
-the protocol's side that `GlobalTensor` calls)."""
+sum then waits, plain, for its parameter until `.grad` is read (`waiting`)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import torch
 
 from sbp import comm
 from sbp.comm import stats
+from sbp.data_parallel.waiting import Waiting
 from sbp.gradients import BUCKET_BYTES, BUCKETS, TORCH_GRAD, run_all
 
 _GRAD = attrgetter("grad")
@@ -34,7 +34,7 @@ class Reducer:
     whatever order gradients arrive in. At the end of backward the rest is launched and
     everything is waited for once. Parameters unused in this backward contribute zeros and
     a zero "used" count, so a gradient stays None only where it was unused on every rank.
-    Summed gradients wait, plain, until `.grad` is read (`take_waiting`).
+    Summed gradients wait, plain, until `.grad` is read (`waiting.Waiting`).
     The counts ride in the buckets' buffers on the CPU. On a GPU they are summed apart, in
     one small CPU all-reduce at the end of backward: reading them back from the GPU would
     make the host wait for every bucket (torch DDP does not wait for the GPU either).
@@ -66,6 +66,8 @@ class Reducer:
         self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
         self._refs: list[tuple[int, int] | None] = [None] * len(self._buckets)
         self._slots: dict[int, torch.Tensor] = {}
+        # per parameter: what holds its gradient where nothing waits for it (`_wait`)
+        self._spares = [Waiting() for _ in params]
         for b, bucket in enumerate(self._buckets):
             offset = 0
             for i in bucket:
@@ -85,7 +87,8 @@ class Reducer:
     # ------------------------------------------------------------ one rank: leaves hold them
     def _claim_parameters(self) -> None:
         """One rank: each parameter's gradient will wait in its leaf's `.grad`, where
-        autograd accumulates it (`p._waiting_in`): after backward nothing moves, and an
+        autograd accumulates it (the `Waiting` in `p._pending` holds the claim `(self,
+        leaf)`): after backward nothing moves, and an
         optimizer step on the leaves finds it there (`sbp.optim_step`). Gradients waiting
         in another reducer's leaves move to the parameter first; that reducer, no longer
         the only one holding its parameters' gradients, hands them over after backward."""
@@ -93,13 +96,19 @@ class Reducer:
         self.claims = [(self, leaf) for leaf in self.leaves]
         self.bases = [p._local for p in self.params]  # what each leaf shares storage with
         for i, (p, claim) in enumerate(zip(self.params, self.claims, strict=True)):
-            earlier = p._waiting_in
+            pending = p._pending
+            earlier = None if pending is None else pending.claim
             if earlier is not None and earlier[0] is not self:
                 earlier[0].exclusive = False
                 grad = earlier[0].take(earlier[1])
                 if grad is not None:
                     self._wait(i, grad)
-            p._waiting_in = claim  # (counted as a rebinding: the optimizer's swap reads it)
+            pending = p._pending  # (`_wait` may have set one)
+            waiting = None if pending is None else pending.grad
+            if pending is not None:
+                pending.grad = None  # (replaced: what it held goes on in the new one)
+            # (counted as a rebinding: the optimizer's swap reads the claims)
+            p._pending = Waiting(waiting, claim)
 
     def take(self, leaf: torch.Tensor) -> torch.Tensor | None:
         """The gradient waiting in `leaf` (one of this reducer's), taken out of it; None
@@ -252,7 +261,8 @@ class Reducer:
         self._refs[b] = _held(flat, [self._slots[j] for j in members])
 
     def _wait(self, i: int, grad: torch.Tensor) -> None:
-        """Parameter i's summed gradient waits on it, plain (see `take_waiting`); where it
+        """Parameter i's summed gradient waits for it, plain, added to what waits already
+        (`waiting.Waiting`; this reducer's spare one holds it where nothing waited); where it
         holds a `.grad` (`zero_grad(set_to_none=False)`, no_sync steps), it goes into that
         one at once, as torch accumulates: a reference kept to it sees this backward. A
         partial one from no_sync steps becomes whole: summed into `grad` already over
@@ -269,11 +279,15 @@ class Reducer:
             else:
                 current._local.add_(grad)
             return
-        waiting = p._waiting_grad
+        waiting = p._pending
         if waiting is None:
-            object.__setattr__(p, "_waiting_grad", grad)
+            spare = self._spares[i]  # (empty, and in no slot)
+            spare.grad = grad
+            object.__setattr__(p, "_pending", spare)  # (bookkeeping: not a rebinding)
+        elif waiting.grad is None:
+            waiting.grad = grad
         else:
-            waiting.add_(grad)
+            waiting.grad.add_(grad)
 
     def _launch(self, b: int) -> None:
         members = self._buckets[b]

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from sbp.gradients import PLAIN_GETTERS, leaf_grad_spec, local_leaves
+from sbp import stand_ins
+from sbp.gradients import PLAIN_GETTERS
 from sbp.layout import GlobalSpec
 from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
 from sbp.signature import broadcast, is_all_broadcast, splits_to_partials
@@ -162,13 +163,13 @@ def _through_local_leaves(func: Any, args: tuple, kwargs: dict) -> Any:
     splitting the batch (differentiable where the local one is: create_graph)."""
     if func is _AUTOGRAD_BACKWARD:
         if kwargs.get("inputs") is not None:
-            kwargs = {**kwargs, "inputs": tuple(local_leaves(kwargs["inputs"]))}
+            kwargs = {**kwargs, "inputs": tuple(stand_ins.replace(kwargs["inputs"]))}
         return func(*args, **kwargs)
     args, kwargs = list(args), dict(kwargs)
     where = (args, 1) if len(args) > 1 else (kwargs, "inputs")
     inputs = where[0][where[1]]
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    leaves = local_leaves(inputs)
+    leaves = stand_ins.replace(inputs)
     where[0][where[1]] = tuple(leaves)
     grads = func(*args, **kwargs)
     return tuple(
@@ -178,7 +179,7 @@ def _through_local_leaves(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _leaf_grad_as_global(grad: torch.Tensor, p: torch.Tensor) -> GlobalTensor:
-    spec = leaf_grad_spec(p)._replace(dtype=grad.dtype)
+    spec = stand_ins.grad_spec(p)._replace(dtype=grad.dtype)
     if not grad.requires_grad:
         return GlobalTensor(grad, spec)
     # (its gradient, of a partial sum, is whole: broadcast)
@@ -206,7 +207,7 @@ def _local_backward(args: tuple, kwargs: dict) -> bool:
         twin.local.grad_fn.register_prehook(lambda grads: reducer.backward_started())
     inputs = kwargs.get("inputs")
     if inputs is not None:  # (a parameter's gradient is its local leaf's, in the local graph)
-        inputs = local_leaves(inputs)
+        inputs = stand_ins.replace(inputs)
     torch.autograd.backward(twin.local, retain_graph=kwargs.get("retain_graph"), inputs=inputs)
     return True
 
