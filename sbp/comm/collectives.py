@@ -201,6 +201,15 @@ def _segment(ranks: Ranks, kind: str) -> shm.Segment | None:
         return shm.segment(ranks, group)
 
 
+def _big_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment | None:
+    """The rank set's large shared segment for a collective of `tensor` (a rank's part), or
+    None where it goes through gloo (another host, too large, SBP_SHM=0)."""
+    if not shm.usable_big(tensor):
+        return None
+    with guarded(kind, ranks):  # (made at the first call: a collective)
+        return shm.big_segment(ranks, get_group(ranks))
+
+
 def _agree(
     kind: str, tensor: torch.Tensor, ranks: Ranks, op: str | None = None, nbytes: int = -1
 ) -> None:
@@ -279,6 +288,9 @@ def all_gather_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) ->
     if len(ranks) == 1 or group_order(ranks) is not None or functional.tracing(input):
         return Pending(None, all_gather(output, input, ranks), "all_gather", ranks)
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
+    segment = _big_segment(input, ranks, "all_gather")
+    if segment is not None:  # (one host: at once, at memcpy speed)
+        return Pending(None, segment.all_gather(output, input), "all_gather", ranks)
     _agree("all_gather", input, ranks)
     with guarded("all_gather", ranks):
         work = _all_gather_single(
@@ -299,6 +311,10 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks
         or input.dtype in _GLOO_LACKS
     ):
         return Pending(None, reduce_scatter(output, input, "sum", ranks), "reduce_scatter", ranks)
+    segment = _big_segment(input, ranks, "reduce_scatter")
+    if segment is not None:  # (one host: at once, at memcpy speed)
+        stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
+        return Pending(None, segment.reduce_scatter(output, input), "reduce_scatter", ranks)
     if input.device.type == "cpu":
         n = len(ranks)
         chunks = torch.empty_like(input).view(n, -1)

@@ -43,6 +43,10 @@ from sbp.comm import fingerprint
 from sbp.errors import CommTimeoutError, MetaMismatchError
 
 SLOT_BYTES = 64 * 1024
+# A second, larger segment per rank set for the sharded data-parallel path's all-gathers
+# and reduce-scatters of whole units (`big_segment`): gloo moves ~1 GB/s over loopback,
+# shared memory at memcpy speed. Its memory is reserved when it is made (else: gloo).
+BIG_SLOT_BYTES = 8 * 2**20
 LINE = 64  # one cache line per rank's sequence number
 SPINS = 500  # busy checks before yielding (~0.1-0.3 ms: most peers arrive sooner)
 YIELD_S = 0.002  # then sched_yield until this long, then short sleeps
@@ -51,13 +55,21 @@ CHECK_EVERY_S = 0.01  # peers alive and the deadline, checked this often while w
 # (read once: the switch is for a whole run, and os.environ costs microseconds per call)
 _ENABLED = platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("SBP_SHM") != "0"
 _segments: dict[tuple[int, ...], tuple[object, Segment | None]] = {}
+_big_segments: dict[tuple[int, ...], tuple[object, Segment | None]] = {}
 
 
 class Segment:
     """The shared memory of one rank set: a sequence number and two slots per rank."""
 
-    def __init__(self, ranks: tuple[int, ...], mapping: mmap.mmap, pids: list[int]):
+    def __init__(
+        self,
+        ranks: tuple[int, ...],
+        mapping: mmap.mmap,
+        pids: list[int],
+        slot_bytes: int = SLOT_BYTES,
+    ):
         self.ranks, self.pids, self._map = ranks, pids, mapping
+        self.slot_bytes = slot_bytes
         n = len(ranks)
         self.me = ranks.index(env.get_rank())
         self.seq = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=0, strides=(LINE,))
@@ -71,8 +83,8 @@ class Segment:
         self._answered: dict[int, int] = {}  # peer index -> the mark this rank raised for
         with torch.inference_mode(False):
             self.slots = torch.frombuffer(
-                mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * SLOT_BYTES
-            ).view(2, n, SLOT_BYTES)
+                mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * slot_bytes
+            ).view(2, n, slot_bytes)
         self.others = [k for k in range(n) if k != self.me]
         self._view_cache: dict = {}
         self.calls = 0
@@ -148,6 +160,17 @@ class Segment:
         rows, _ = self._exchange(input, fingerprint.of("all_gather", input.dtype, nbytes))
         output.view(len(self.ranks), -1).copy_(rows)
         return output
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the sum of every rank's `input` (n equal chunks along dim 0),
+        summed in ascending rank order (the same sums on every rank)."""
+        nbytes = input.numel() * input.element_size()
+        rows, _ = self._exchange(
+            input, fingerprint.of("reduce_scatter", input.dtype, nbytes, "sum")
+        )
+        n = len(self.ranks)
+        mine = rows.view(n, n, -1)[:, self.me]
+        return torch.sum(mine, 0, out=output.view(-1))
 
     def _arrived(self, n: int) -> bool:
         seq = self.seq
@@ -298,15 +321,35 @@ def ready(ranks: tuple[int, ...], group) -> bool:
 def segment(ranks: tuple[int, ...], group) -> Segment | None:
     """The rank set's segment, made at its first use (a collective over `group`), or None
     when the set spans hosts or shared memory is not available on one of them."""
-    known = _segments.get(ranks)
+    return _settled(_segments, ranks, group, SLOT_BYTES)
+
+
+def big_segment(ranks: tuple[int, ...], group) -> Segment | None:
+    """The rank set's second segment, for collectives of up to `BIG_SLOT_BYTES` per rank
+    (made as `segment`; None also where its memory cannot be reserved)."""
+    return _settled(_big_segments, ranks, group, BIG_SLOT_BYTES)
+
+
+def _settled(table: dict, ranks: tuple[int, ...], group, slot_bytes: int) -> Segment | None:
+    known = table.get(ranks)
     if known is not None and known[0] is group:
         return known[1]
     key = tuple(sorted(ranks))
-    known = _segments.get(key)
+    known = table.get(key)
     if known is None or known[0] is not group:
-        known = _segments[key] = (group, _make(key, group))
-    _segments[ranks] = known
+        known = table[key] = (group, _make(key, group, slot_bytes))
+    table[ranks] = known
     return known[1]
+
+
+def usable_big(tensor: torch.Tensor) -> bool:
+    """May this tensor (a rank's part) go through the large segment (`BIG_SLOT_BYTES`)?"""
+    return (
+        _ENABLED
+        and tensor.numel() * tensor.element_size() <= BIG_SLOT_BYTES
+        and tensor.is_contiguous()
+        and tensor.device.type == "cpu"
+    )
 
 
 def _host() -> str:
@@ -318,8 +361,8 @@ def _host() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _make(ranks: tuple[int, ...], group) -> Segment | None:
-    size = LINE * len(ranks) + 2 * len(ranks) * SLOT_BYTES
+def _make(ranks: tuple[int, ...], group, slot_bytes: int = SLOT_BYTES) -> Segment | None:
+    size = LINE * len(ranks) + 2 * len(ranks) * slot_bytes
     leader = env.get_rank() == ranks[0]
     created, fd = None, None
     if leader:
@@ -327,7 +370,14 @@ def _make(ranks: tuple[int, ...], group) -> Segment | None:
         try:
             fd = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)
+            if slot_bytes > SLOT_BYTES:  # (reserved now: a full /dev/shm would SIGBUS later)
+                os.posix_fallocate(fd, 0, size)
         except OSError:
+            if fd is not None:
+                os.close(fd)
+                fd = None
+                with contextlib.suppress(OSError):
+                    os.unlink(created)
             created = None
     try:
         info = [None] * len(ranks)
@@ -352,11 +402,12 @@ def _make(ranks: tuple[int, ...], group) -> Segment | None:
                 os.unlink(created)
     if not ok.item():
         return None
-    return Segment(ranks, mapping, [pid for _, pid, _ in info])
+    return Segment(ranks, mapping, [pid for _, pid, _ in info], slot_bytes)
 
 
 def clear() -> None:
     _segments.clear()
+    _big_segments.clear()
 
 
 env.at_shutdown(clear)
