@@ -59,7 +59,9 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
     if not grad._local.is_contiguous():
         # An expanded gradient (`p.sum()`'s, one element seen everywhere): torch's
         # AccumulateGrad makes a `.grad` of its own only where the wrapper's strides are
-        # off, and a global tensor's claim contiguous. In-place updates need its own.
+        # off, and a global tensor's claim contiguous. In-place updates need its own. (A
+        # Linear's weight gradient comes contiguous: its transpose's wrapper has torch's
+        # strides, so `mm`'s backward computes it in the weight's layout, no copy here.)
         grad._local = grad._local.contiguous()
     target = leaf._spec
     if grad.dtype != target.dtype:

@@ -55,16 +55,23 @@ class GlobalTensor(torch.Tensor):
     _watched: bool  # a cache keeps what it holds: its rebinding counts (`COUNTS.rebinds`)
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: GlobalSpec, requires_grad: bool = False):
+    def __new__(
+        cls,
+        local: torch.Tensor,
+        spec: GlobalSpec,
+        requires_grad: bool = False,
+        strides: tuple[int, ...] | None = None,
+    ):
         if torch.is_inference_mode_enabled() and not local.is_inference():
             # a view of a normal tensor under inference_mode is a normal tensor, as in torch
             # (an inference tensor cannot share its base's version counter); where sbp had
             # to copy the view's local tensor, see `sbp.ops.registry.view_wrappers`
             with torch.inference_mode(False):
-                return cls(local, spec, requires_grad)
+                return cls(local, spec, requires_grad, strides)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             spec.shape,
+            strides=strides,
             dtype=spec.dtype,
             device=local.device,
             requires_grad=requires_grad,
@@ -107,7 +114,9 @@ class GlobalTensor(torch.Tensor):
         """A copied view (`sbp.ops.writes`) enters a traced graph without its base, which
         the compiled code never writes: it is marked so that a write into it raises."""
         spec, requires_grad, copied_view = ctx
-        out = GlobalTensor(inner["_local"], spec, requires_grad=requires_grad)
+        # (a transpose's wrapper keeps its permuted strides: `registry._permuted_strides`)
+        strides = None if outer_stride is None else tuple(outer_stride)
+        out = GlobalTensor(inner["_local"], spec, requires_grad, strides)
         if copied_view:
             out._copy_of = ops.writes.CopyOf(None, None)
         return out
@@ -254,14 +263,18 @@ class GlobalTensor(torch.Tensor):
         torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs)
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
-        """The wrapper always has the logical contiguous strides (so torch's own `contiguous`
-        returns it unchanged); the local tensor of a transpose or slice does not: copy it then.
-        Every rank must decide alike (a write into the result reaches the base or not), so
-        size-1 and empty dims count too (`_dense_in_order`): a 1-row shard of a transpose is
-        contiguous by torch's test, the other ranks' shards are not."""
+        """The wrapper has the logical contiguous strides, except a transpose's or permute's,
+        which has torch's (`sbp.ops.registry._permuted_strides`); the local tensor of a
+        transpose or slice is not contiguous: copy it then (and where the wrapper's strides
+        are a transpose's, so that the result is contiguous as torch's is). Every rank must
+        decide alike (a write into the result reaches the base or not), so size-1 and empty
+        dims count too (`_dense_in_order`): a 1-row shard of a transpose is contiguous by
+        torch's test, the other ranks' shards are not."""
         local = self._local
-        if local.is_contiguous(memory_format=memory_format) and _dense_in_order(
-            local, memory_format
+        if (
+            local.is_contiguous(memory_format=memory_format)
+            and _dense_in_order(local, memory_format)
+            and (memory_format is not torch.contiguous_format or _WRAPPER_CONTIGUOUS(self))
         ):
             return self
         return self.clone(memory_format=memory_format)
@@ -435,6 +448,7 @@ def _dense_in_order(t: torch.Tensor, memory_format: torch.memory_format) -> bool
 
 # (what counts as a rebinding: `sbp.counters.Counters.rebinds`)
 _REBINDING = frozenset(["_local", "_spec", "data", "__class__", "__dict__", "_pending"])
+_WRAPPER_CONTIGUOUS = torch._C.TensorBase.is_contiguous  # (the wrapper's strides, logical)
 _SET_LOCAL = GlobalTensor._local.__set__
 _SET_SPEC = GlobalTensor._spec.__set__
 _SET_PENDING = GlobalTensor._pending.__set__

@@ -366,11 +366,14 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
                 out = func._op(*largs, **lkwargs)
         if d.direct_inplace:
             return written(flat[0])
+        strides = None
+        if d.view:
+            strides = _permuted_strides(func, flat if tree is PLAIN else largs, flat[0])
         if copied:
             with view_wrappers(flat[0]):
-                out = GT(out, d.direct)
+                out = GT(out, d.direct, False, strides)
         else:
-            out = GT(out, d.direct)
+            out = GT(out, d.direct, False, strides)
         if copied or (d.view and flat[0]._copy_of is not None):  # writes go on to the base
             mark_view(func, *unflatten(flat, tree), [out], False, copied)
         return out
@@ -389,6 +392,40 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
     if is_inplace(func) and type(args[0]) is GlobalTensor:
         written(args[0])  # (a view sbp had to copy passes the write on to its base)
     return out
+
+
+_T, _TRANSPOSE, _PERMUTE = (
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+)
+
+
+def _permuted_strides(func, local: list, g) -> tuple[int, ...] | None:
+    """The wrapper strides of a transpose or permute of global `g` whose local result is
+    not contiguous: `g`'s own strides in the new dim order, as torch gives a transpose.
+    Autograd reads them (`mm`'s backward computes a transposed operand's gradient in the
+    layout its transpose makes contiguous: a Linear's weight gradient then needs no copy).
+    Other views keep contiguous strides (None). The strides depend on the logical shape
+    and the op's arguments alone: alike on every rank, whatever each one's local holds."""
+    if func is _T:
+        order = [1, 0] if g.dim() == 2 else None
+    elif func is _TRANSPOSE:
+        ndim = g.dim()
+        if ndim < 2:
+            return None
+        d0, d1 = local[1] % ndim, local[2] % ndim
+        order = list(range(ndim))
+        order[d0], order[d1] = d1, d0
+    elif func is _PERMUTE:
+        ndim = g.dim()
+        order = [d % ndim for d in local[1]] if ndim else None
+    else:
+        return None
+    if order is None or order == sorted(order):
+        return None
+    stride = g.stride()
+    return tuple(stride[d] for d in order)
 
 
 def _wrapped(global_type, leaves: list, specs: list) -> list:
