@@ -25,9 +25,21 @@ def _stack(width=16, depth=4):
     return nn.Sequential(*layers, nn.Linear(width, 3)).double()
 
 
-def _steps(reshard, steps=3, units=None, trace=False):
+def _steps(reshard, steps=3, units=None, trace=False, shared_memory=True):
     """Train the stack sharded on this rank's placement; per step: the collectives by kind,
-    the sharded path's events (if `trace`), and the loss minus one process's."""
+    the sharded path's events (if `trace`), and the loss minus one process's. Without
+    `shared_memory`, the large collectives go through gloo (as between hosts)."""
+    from sbp.comm import shm
+
+    configured = shm.BIG_SLOT_BYTES
+    shm.BIG_SLOT_BYTES = configured if shared_memory else 0
+    try:
+        return _train_steps(reshard, steps, units, trace)
+    finally:
+        shm.BIG_SLOT_BYTES = configured
+
+
+def _train_steps(reshard, steps, units, trace):
     P = sbp.placement("cpu", list(range(sbp.env.get_world_size())))
     ref = _stack()
     model = copy.deepcopy(ref).to_global(P, S0)
@@ -67,19 +79,22 @@ def _global(x, y, P):
     return sbp.to_global(tuple(parts), P, S0)
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_collectives_per_step(pool2, reshard):
+def test_collectives_per_step(pool2, reshard, shared_memory):
     """5 units (4 hidden layers and the head), after the first step (which checks the layout):
     ZeRO-3 gathers each unit in forward and again in backward those whose weights backward
     needs (not the last, kept, nor the first, whose input needs no gradient); ZeRO-2 once;
-    both reduce each unit's gradient once (an all-to-all and a local sum on CPU)."""
-    for steps, params, path in pool2.run(_steps, reshard):
+    both reduce each unit's gradient once (through shared memory on one host; through gloo
+    an all-to-all and a local sum, faster there than its reduce-scatter)."""
+    for steps, params, path in pool2.run(_steps, reshard, 3, None, False, shared_memory):
         assert path == "sharded"
         assert params < 1e-12
         for kinds, _, gap in steps[1:]:
             assert gap < 1e-12
             gathers = 5 + 3 if reshard else 5
-            assert kinds == {"all_gather": gathers, "all_to_all": 5}
+            reduction = "reduce_scatter" if shared_memory else "all_to_all"
+            assert kinds == {"all_gather": gathers, reduction: 5}
 
 
 def test_named_units_gather_together(pool2):
@@ -90,7 +105,7 @@ def test_named_units_gather_together(pool2):
         kinds = steps[-1][0]
         # root + 2 units forward; none again in backward: "2" is the last one (kept), and the
         # first layer's backward needs its input, not its weight
-        assert kinds == {"all_gather": 3, "all_to_all": 3}
+        assert kinds == {"all_gather": 3, "reduce_scatter": 3}
 
 
 def test_prefetch_and_reductions_during_backward(pool2):

@@ -288,10 +288,12 @@ def all_gather_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) ->
     if len(ranks) == 1 or group_order(ranks) is not None or functional.tracing(input):
         return Pending(None, all_gather(output, input, ranks), "all_gather", ranks)
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
+    # (the fingerprint first in the small segment, where every rank meets whichever path
+    # its next collective takes: a rank taking gloo there is named, not waited for)
+    _agree("all_gather", input, ranks)
     segment = _big_segment(input, ranks, "all_gather")
     if segment is not None:  # (one host: at once, at memcpy speed)
         return Pending(None, segment.all_gather(output, input), "all_gather", ranks)
-    _agree("all_gather", input, ranks)
     with guarded("all_gather", ranks):
         work = _all_gather_single(
             _moved(output).view(-1), _moved(input), group=get_group(ranks), async_op=True
@@ -311,6 +313,8 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks
         or input.dtype in _GLOO_LACKS
     ):
         return Pending(None, reduce_scatter(output, input, "sum", ranks), "reduce_scatter", ranks)
+    if shm.usable_big(input):  # (as in all_gather_async: the fingerprint meets first)
+        _agree("reduce_scatter", input, ranks, "sum")
     segment = _big_segment(input, ranks, "reduce_scatter")
     if segment is not None:  # (one host: at once, at memcpy speed)
         stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
