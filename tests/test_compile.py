@@ -245,10 +245,10 @@ def _dropped_collective(name, make_inplace):
     x, y = _batches(name, steps=1)[0]
     place = _split_batch(P)
     backend, graphs = _graph_recorder()
-    tracing, usable = functional.tracing, shm.usable
+    tracing, usable, usable_big = functional.tracing, shm.usable, shm.usable_big
     if make_inplace:  # what sbp did before: gloo's in-place collectives, even while tracing
         functional.tracing = lambda t=None: False
-        shm.usable = lambda t: False
+        shm.usable = shm.usable_big = lambda t: False
     try:
         loss = torch.compile(_cross_entropy, backend=backend, fullgraph=True)(
             model, place(x), place(y)
@@ -256,7 +256,7 @@ def _dropped_collective(name, make_inplace):
         if not make_inplace:  # (in-place ones leave a process group in the graph: no backward)
             loss.backward()
     finally:
-        functional.tracing, shm.usable = tracing, usable
+        functional.tracing, shm.usable, shm.usable_big = tracing, usable, usable_big
         torch._dynamo.reset()
     grads = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
     return loss.item(), grads, [_ops_in(g) for g in graphs]
