@@ -109,10 +109,10 @@ def test_named_units_gather_together(pool2):
 
 
 def test_prefetch_and_reductions_during_backward(pool2):
-    """In forward, the next units' gathers are issued before the current unit's compute ends
-    (its "freed" event); in backward, the previous unit's gather is issued before the current
+    """Through gloo, in forward, the next units' gathers are issued before the current unit's
+    compute ends (its "freed" event); in backward, the previous unit's gather is issued before the current
     one's gradient is ready, and a unit's reduction starts before the last gradient is."""
-    for steps, _, _ in pool2.run(_steps, True, 2, None, True):
+    for steps, _, _ in pool2.run(_steps, True, 2, None, True, False):  # (through gloo)
         events = steps[-1][1]
         forward = events[: events.index(("grad", "8"))]
         assert forward.index(("gather", "2")) < forward.index(("freed", "0"))
@@ -124,6 +124,18 @@ def test_prefetch_and_reductions_during_backward(pool2):
         assert [e for e in backward if e[0] == "reduce"] == [
             ("reduce", n) for n in ("8", "6", "4", "2", "0")
         ]
+
+
+def test_no_prefetch_through_shared_memory(pool2):
+    """Through shared memory a gather completes when it starts: gathering ahead would only
+    hold the unit longer, so each unit is gathered when it runs."""
+    for steps, params, _ in pool2.run(_steps, True, 2, None, True):
+        assert params < 1e-12
+        events = steps[-1][1]
+        gathers = [i for i, e in enumerate(events) if e[0] == "gather"]
+        assert gathers
+        for i in gathers:
+            assert events[i + 1] == ("gathered", events[i][1])
 
 
 class _Block(nn.Module):

@@ -75,6 +75,7 @@ class _UnitState:
         self.shard: torch.Tensor | None = None
         self.shard_views: list[torch.Tensor] = []
         self.packed = False  # backward will gather it again (a saved view was packed)
+        self.at_once = False  # its gather completes when started (shared memory): no prefetch
 
 
 class _Gathered(torch.autograd.Function):
@@ -183,6 +184,13 @@ class Sharding:
         if self.trace is not None:
             self.trace.append((what, u.name))
 
+    def _prefetch(self, u: _UnitState | None, phase: str) -> None:
+        """Start `u`'s gather ahead of its use, where it travels while others compute: not
+        where it runs at once (shared memory on one host), which would only hold it longer.
+        (`u.at_once` is the same on every rank: the same sizes, the same segment.)"""
+        if u is not None and not u.at_once:
+            self._start_gather(u, phase)
+
     def _start_gather(self, u: _UnitState, phase: str) -> None:
         """Start all-gathering `u`'s flat shards (nothing if whole or in flight)."""
         if u.whole is not None or u.pending is not None:
@@ -212,6 +220,7 @@ class Sharding:
         self._event("gather", u)
         with stats.noted(GATHER, implicit=False, phase=phase):
             u.pending = (comm.all_gather_async(out, mine, self.ranks), out)
+        u.at_once = u.pending[0].work is None
 
     def _whole(self, u: _UnitState, phase: str) -> torch.Tensor:
         """`u`'s gathered parameters (one buffer), waiting for its gather (or running it)."""
@@ -307,14 +316,14 @@ class Sharding:
             if self.root is not None:
                 self._put(self.root, self._enter(self.root))
             if expected:
-                self._start_gather(expected[0], "forward")
+                self._prefetch(expected[0], "forward")
             with saved:
                 yield
             # the first unit backward gathers again, started while the loss is computed
             first = next((u for u in reversed(self._seen) if u.packed), None)
             if first is not None:
                 self._settle_pending()
-                self._start_gather(first, "backward")
+                self._prefetch(first, "backward")
         finally:
             self.mode = None
             if self._seen:
@@ -344,9 +353,7 @@ class Sharding:
         views = self._enter(u)
         self._put(u, views)
         for ahead in range(1, PREFETCH + 1):
-            following = self._after(u, self.order, ahead)
-            if following is not None:
-                self._start_gather(following, "forward")
+            self._prefetch(self._after(u, self.order, ahead), "forward")
         if self.reshard and u is not self.order[-1]:
             # (ZeRO-3; the last unit's parameters are the first backward needs: kept)
             self._storages[u.whole.untyped_storage().data_ptr()] = u
@@ -390,7 +397,7 @@ class Sharding:
             self._whole(u, "backward")
             previous = self._after(u, self.order, -1)
             if previous is not None and previous.packed and _outstanding(previous):
-                self._start_gather(previous, "backward")
+                self._prefetch(previous, "backward")
         return u.whole.as_strided(saved.size, saved.stride, saved.offset)
 
     # ------------------------------------------------------------ gradients
