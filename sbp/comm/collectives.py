@@ -316,9 +316,12 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks
         or input.dtype in _GLOO_LACKS
     ):
         return Pending(None, reduce_scatter(output, input, "sum", ranks), "reduce_scatter", ranks)
-    if shm.usable_big(input):  # (as in all_gather_async: the fingerprint meets first)
+    # (as in all_gather_async: the fingerprint meets first, once per call, on every rank
+    # alike: the same sizes, the same segment)
+    agreed = shm.usable_big(input)
+    if agreed:
         _agree("reduce_scatter", input, ranks, "sum")
-    segment = _big_segment(input, ranks, "reduce_scatter")
+    segment = _big_segment(input, ranks, "reduce_scatter") if agreed else None
     if segment is not None:  # (one host: at once, at memcpy speed)
         stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
         return Pending(None, segment.reduce_scatter(output, input), "reduce_scatter", ranks)
@@ -326,7 +329,8 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks
         n = len(ranks)
         chunks = torch.empty_like(input).view(n, -1)
         stats.record("all_to_all", cost.reduce_scatter_bytes(n, _nbytes(input)))
-        _agree("all_to_all", input, ranks, nbytes=_nbytes(input) // n)
+        if not agreed:
+            _agree("all_to_all", input, ranks, nbytes=_nbytes(input) // n)
         with guarded("all_to_all", ranks):
             work = dist.all_to_all_single(
                 chunks, input.reshape(n, -1), group=get_group(ranks), async_op=True
@@ -336,7 +340,8 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks
             work, chunks, "all_to_all", ranks, lambda c: torch.sum(c, 0, out=output.view(-1))
         )
     stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
-    _agree("reduce_scatter", input, ranks, "sum")
+    if not agreed:
+        _agree("reduce_scatter", input, ranks, "sum")
     with guarded("reduce_scatter", ranks):
         work = _reduce_scatter_single(
             output.reshape(-1),

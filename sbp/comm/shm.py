@@ -8,7 +8,9 @@ their part into a shared segment, publish a sequence number, wait for everyone's
 rank order, so every rank holds bitwise the same result (~20 us for two ranks). The
 metadata exchange of `to_global` (a small all-gather) takes the same path.
 
-Used for CPU tensors of at most `SLOT_BYTES` whose group runs on one host, on x86-64
+Used for CPU tensors of at most `SLOT_BYTES` (and, in a second segment with larger slots,
+of up to `BIG_SLOT_BYTES`, each call after a fingerprint meeting in the first segment)
+whose group runs on one host, on x86-64
 (stores become visible to other cores in program order there; elsewhere gloo is used),
 and never while tracing. The wait is bounded by sbp's timeout, and a peer that exits is
 noticed within ~10 ms: both raise `CommTimeoutError`. `SBP_SHM=0` turns it off.
@@ -43,9 +45,10 @@ from sbp.comm import fingerprint
 from sbp.errors import CommTimeoutError, MetaMismatchError
 
 SLOT_BYTES = 64 * 1024
-# A second, larger segment per rank set for the sharded data-parallel path's all-gathers
-# and reduce-scatters of whole units (`big_segment`): gloo moves ~1 GB/s over loopback,
-# shared memory at memcpy speed. Its memory is reserved when it is made (else: gloo).
+# A second, larger segment per rank set (`big_segment`) for all-reduces of 64 KiB-8 MiB and
+# the sharded data-parallel path's all-gathers and reduce-scatters of whole units: gloo
+# moves ~1 GB/s over loopback, shared memory at memcpy speed. Its memory is reserved when
+# it is made (else: gloo).
 BIG_SLOT_BYTES = 8 * 2**20
 LINE = 64  # one cache line per rank's sequence number
 SPINS = 500  # busy checks before yielding (~0.1-0.3 ms: most peers arrive sooner)

@@ -28,6 +28,8 @@ class FlatUnit:
         self.rows = [prod(s[1:]) for s in self.shapes]  # elements per row of dim 0
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]  # in the whole
         self.total = sum(self.numels)
+        # (the whole parameters' bytes, counted each time a unit is gathered or freed)
+        self.gathered_bytes = self.total * torch.empty((), dtype=self.dtype).element_size()
         # per member k: each parameter's [start, stop) rows, and offset in k's flat shard
         self.row_ranges: list[list[tuple[int, int]]] = []
         self.shard_offsets: list[list[int]] = []
@@ -46,10 +48,6 @@ class FlatUnit:
             self.shard_offsets.append(offs)
             longest = max(longest, at)
         self.shard_len = longest  # each member's flat shard, padded to the longest
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.total * torch.empty((), dtype=self.dtype).element_size()
 
     def local_shapes(self, k: int) -> list[tuple[int, ...]]:
         return [(b - a, *s[1:]) for (a, b), s in zip(self.row_ranges[k], self.shapes, strict=True)]

@@ -62,7 +62,7 @@ class _UnitState:
         self.unit, self.flat, self.places = unit, flat, places
         self.name = unit.name or "<root>"
         self.whole: torch.Tensor | None = None
-        self.pending: tuple | None = None  # (Pending all-gather, its output)
+        self.pending: comm.Pending | None = None  # its all-gather in flight
         self.leaves: list[torch.Tensor] = []
         self.grad: torch.Tensor | None = None  # (members, shard_len), collected
         # applications of `_Gathered` in forwards since the last backward's end, and how
@@ -219,15 +219,14 @@ class Sharding:
         out = mine.new_empty(len(self.ranks), flat.shard_len)
         self._event("gather", u)
         with stats.noted(GATHER, implicit=False, phase=phase):
-            u.pending = (comm.all_gather_async(out, mine, self.ranks), out)
-        u.at_once = u.pending[0].work is None
+            u.pending = comm.all_gather_async(out, mine, self.ranks)
+        u.at_once = u.pending.work is None
 
     def _whole(self, u: _UnitState, phase: str) -> torch.Tensor:
         """`u`'s gathered parameters (one buffer), waiting for its gather (or running it)."""
         if u.whole is None:
             self._start_gather(u, phase)
-            pending, _ = u.pending
-            u.pending = None
+            pending, u.pending = u.pending, None
             gathered = pending.wait()
             with _PLAIN():
                 u.whole, _ = u.flat.copy_out(gathered)
@@ -253,7 +252,7 @@ class Sharding:
         """Wait for gathers prefetched but never used (every rank issued them alike)."""
         for u in self.units:
             if u.pending is not None:
-                u.pending[0].wait()
+                u.pending.wait()
                 u.pending = None
 
     def _after(self, u: _UnitState, order: list[_UnitState], step: int) -> _UnitState | None:
@@ -467,9 +466,11 @@ class Sharding:
                 self._summing.append((u, wanted, pending))
             else:
                 self._set_grads(u, wanted, out)
-            while len(self._summing) > limit:
-                u, wanted, pending = self._summing.popleft()
-                self._set_grads(u, wanted, pending.wait())
+            self._complete_sums(limit)
+        self._complete_sums(limit)
+
+    def _complete_sums(self, limit: int) -> None:
+        """`_complete`'s second stage: the all-reduces over the replicas."""
         while len(self._summing) > limit:
             u, wanted, pending = self._summing.popleft()
             self._set_grads(u, wanted, pending.wait())

@@ -81,7 +81,7 @@ def units_of(root: torch.nn.Module, sharded: list, names: list[str] | None) -> l
             f"sbp.nn.data_parallel: units {nested[0][1]!r} lies inside {nested[0][0]!r}; "
             "name units that do not nest"
         )
-    owner: dict[int, str | None] = {}  # id(param): the one unit holding it, or None
+    owner: dict[int, str] = {}  # id(param): the one unit holding it, or "" (the root)
     for path, m in root.named_modules():
         unit = next((n for n in names if path == n or path.startswith(n + ".")), "")
         for p in m._parameters.values():
@@ -89,12 +89,11 @@ def units_of(root: torch.nn.Module, sharded: list, names: list[str] | None) -> l
                 continue
             seen = owner.get(id(p), unit)
             owner[id(p)] = unit if seen == unit else ""
-    ids = {id(p) for p in sharded}
     units = [Unit("", None)] + [Unit(n, modules[n]) for n in names]
     by_name = {u.name: u for u in units}
     placed: set[int] = set()
     for p in sharded:
-        if id(p) in ids and id(p) not in placed:
+        if id(p) not in placed:
             placed.add(id(p))
-            by_name[owner.get(id(p)) or ""].params.append(p)
+            by_name[owner.get(id(p), "")].params.append(p)
     return [u for u in units if u.params or u.module is None]
