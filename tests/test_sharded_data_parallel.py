@@ -455,6 +455,21 @@ def test_hsdp_on_2x2_equals_one_process(pool4, name, opt_name):
         _check(rank_got, ref, opt_name, layout=layout)
 
 
+@pytest.mark.filterwarnings("ignore:sbp. MLP runs op by op")
+def test_parameters_split_where_the_batch_is_not_run_op_by_op(pool4):
+    """Parameters split along the placement's dim 1 while the batch is split along dim 0
+    only: the sharded path declines (each gradient would be summed over ranks holding the
+    same samples), the model runs op by op, exact."""
+    layout = (("", (B, S0)),)
+    data = _data("mlp")
+    got = pool4.run(_train, "mlp", "sgd", data, P22, layout=layout, batch_nd=(S0, B))
+    ref = _train("mlp", "sgd", data)
+    for rank_got in got:
+        assert set(rank_got["paths"]) == {"per-op"}
+        _close(rank_got["losses"], ref["losses"], "loss of step")
+        _close(rank_got["params"], ref["params"], "parameter")
+
+
 def _save_sharded(directory, data):
     """AdamW steps of the split(0) MLP on every rank of the world, then a DCP checkpoint of the
     model and the optimizer."""
