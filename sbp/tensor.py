@@ -65,7 +65,7 @@ class GlobalTensor(torch.Tensor):
         if torch.is_inference_mode_enabled() and not local.is_inference():
             # a view of a normal tensor under inference_mode is a normal tensor, as in torch
             # (an inference tensor cannot share its base's version counter); where sbp had
-            # to copy the view's local tensor, see `sbp.ops.registry.view_wrappers`
+            # to copy the view's local tensor, see `sbp.ops.local_views.view_wrappers`
             with torch.inference_mode(False):
                 return cls(local, spec, requires_grad, strides)
         out = torch.Tensor._make_wrapper_subclass(
@@ -114,7 +114,7 @@ class GlobalTensor(torch.Tensor):
         """A copied view (`sbp.ops.writes`) enters a traced graph without its base, which
         the compiled code never writes: it is marked so that a write into it raises."""
         spec, requires_grad, copied_view = ctx
-        # (a transpose's wrapper keeps its permuted strides: `registry._permuted_strides`)
+        # (a transpose's wrapper keeps its permuted strides: `local_views.permuted_strides`)
         strides = None if outer_stride is None else tuple(outer_stride)
         out = GlobalTensor(inner["_local"], spec, requires_grad, strides)
         if copied_view:
@@ -264,7 +264,7 @@ class GlobalTensor(torch.Tensor):
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
         """The wrapper has the logical contiguous strides, except a transpose's or permute's,
-        which has torch's (`sbp.ops.registry._permuted_strides`); the local tensor of a
+        which has torch's (`sbp.ops.local_views.permuted_strides`); the local tensor of a
         transpose or slice is not contiguous: copy it then (and where the wrapper's strides
         are a transpose's, so that the result is contiguous as torch's is). Every rank must
         decide alike (a write into the result reaches the base or not), so size-1 and empty

@@ -37,6 +37,7 @@ from sbp.ops.arguments import (  # noqa: F401 - note_optimizer_step: sbp.optim_s
     unflatten,
     unflatten_outputs,
 )
+from sbp.ops.local_views import local_view, permuted_strides, view_wrappers
 from sbp.ops.meta import NoMeta, outputs, outside_ranks_learn
 from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
 from sbp.ranges import known_range, written_args
@@ -368,7 +369,7 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
             return written(flat[0])
         strides = None
         if d.view:
-            strides = _permuted_strides(func, flat if tree is PLAIN else largs, flat[0])
+            strides = permuted_strides(func, flat if tree is PLAIN else largs, flat[0])
         if copied:
             with view_wrappers(flat[0]):
                 out = GT(out, d.direct, False, strides)
@@ -394,69 +395,12 @@ def _dispatch_op(func, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-_T, _TRANSPOSE, _PERMUTE = (
-    torch.ops.aten.t.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default,
-)
-
-
-def _permuted_strides(func, local: list, g) -> tuple[int, ...] | None:
-    """The wrapper strides of a transpose or permute of global `g` whose local result is
-    not contiguous: `g`'s own strides in the new dim order, as torch gives a transpose.
-    Autograd reads them (`mm`'s backward computes a transposed operand's gradient in the
-    layout its transpose makes contiguous: a Linear's weight gradient then needs no copy).
-    Other views keep contiguous strides (None). The strides depend on the logical shape
-    and the op's arguments alone: alike on every rank, whatever each one's local holds."""
-    if func is _T:
-        order = [1, 0] if g.dim() == 2 else None
-    elif func is _TRANSPOSE:
-        ndim = g.dim()
-        if ndim < 2:
-            return None
-        d0, d1 = local[1] % ndim, local[2] % ndim
-        order = list(range(ndim))
-        order[d0], order[d1] = d1, d0
-    elif func is _PERMUTE:
-        ndim = g.dim()
-        order = [d % ndim for d in local[1]] if ndim else None
-    else:
-        return None
-    if order is None or order == sorted(order):
-        return None
-    stride = g.stride()
-    return tuple(stride[d] for d in order)
-
-
 def _wrapped(global_type, leaves: list, specs: list) -> list:
     """The output leaves made global where they have a spec."""
     return [
         global_type(t, s) if s is not None and isinstance(t, torch.Tensor) else t
         for t, s in zip(leaves, specs, strict=True)
     ]
-
-
-def view_wrappers(base) -> Any:
-    """Where a view's wrappers are made: a view of a normal tensor under inference_mode is
-    a normal tensor in torch, also where sbp copied its local tensor (an inference tensor
-    then, which torch would refuse to give its base's version counter)."""
-    if torch.is_inference_mode_enabled() and not base.is_inference():
-        return torch.inference_mode(False)
-    return contextlib.nullcontext()
-
-
-def local_view(func, largs: tuple, lkwargs: dict) -> Any:
-    """A view op's local call. A global tensor claims a contiguous layout, so a view of a
-    permuted one (`x.permute(...).reshape(...)`, which torch turns into a view of a
-    contiguous tensor) is valid logically while its local tensor cannot be viewed: then
-    the view runs on a contiguous copy, as reshape would copy it. Returns (the local view,
-    whether it is a copy)."""
-    try:
-        return func._op(*largs, **lkwargs), False
-    except (RuntimeError, ValueError):  # (eager tensors raise the one, fake tensors the other)
-        if largs[0].is_contiguous():
-            raise
-        return func._op(largs[0].contiguous(), *largs[1:], **lkwargs), True
 
 
 # ---------------------------------------------------------------- the strategy engine

@@ -16,12 +16,12 @@ from sbp.boxing.executor import empty_local
 from sbp.errors import IndexRangeError, PlacementError
 from sbp.ops import arguments
 from sbp.ops.arguments import LOCAL_INDEX_OPS, formula_buffer, trusted_constant
+from sbp.ops.local_views import local_view
 from sbp.ops.meta import outside_ranks_learn
 from sbp.ops.registry import (
     Call,
     Strategy,
     indices_within,
-    local_view,
     rebox,
     register,
     register_strategy,

@@ -28,7 +28,7 @@ aten = torch.ops.aten
 # What part of its base a copied view shows: a list of one int or slice per base dim, RESHAPED
 # (its elements in the base's order), or None (no way back), where the op re-boxed its input
 # (the same on every rank); LOCAL where this rank's local view had to be a contiguous copy
-# (`sbp.ops.registry.local_view`); ALIASED for a true view of a base that is itself a copy, so
+# (`sbp.ops.local_views.local_view`); ALIASED for a true view of a base that is itself a copy, so
 # that a write into it still reaches the base's base.
 RESHAPED, LOCAL, ALIASED = "reshaped", "local", "aliased"
 
