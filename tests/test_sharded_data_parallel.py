@@ -484,12 +484,12 @@ def _save_sharded(directory, data):
     return paths, _state_sbps(opt, model)
 
 
-def _resume_broadcast(directory, data):
-    """A broadcast MLP of other initial weights and a new AdamW, loaded from `directory`, then
-    trained on `data`."""
+def _resume(directory, data, layout):
+    """An MLP of other initial weights laid out `layout` (broadcast or split(0)) and a new
+    AdamW, loaded from `directory`, then trained on `data`."""
     P = sbp.placement.all("cpu")
     torch.manual_seed(1)
-    model = MLP().double().to_global(P, B)
+    model = MLP().double().to_global(P, layout)
     opt = _optimizer("adamw", model.parameters())
     sbp.checkpoint.load({"model": model, "optim": opt}, directory)
     loaded = [_full(p) for p in model.parameters()]
@@ -498,13 +498,14 @@ def _resume_broadcast(directory, data):
     return loaded, [_full(p) for p in model.parameters()], losses, sbps, _path(model)
 
 
-def test_checkpoint_saved_sharded_on_4_resumes_broadcast_on_2(pool4, pool2, tmp_path):
+@pytest.mark.parametrize("layout", [B, S0], ids=["broadcast", "sharded"])
+def test_checkpoint_saved_sharded_on_4_resumes_on_2(pool4, pool2, tmp_path, layout):
     """2 AdamW steps sharded on 4 ranks, saved (model and optimizer) with DCP; loaded on 2 ranks
-    into a broadcast model and its optimizer, 1 more step: one process's 3 steps (the Adam
-    moments and step counts came through)."""
+    into a broadcast model (DDP-style) or a sharded one, and its optimizer, 1 more step: one
+    process's 3 steps (the Adam moments and step counts came through)."""
     data = _data("mlp")
     saved = pool4.run(_save_sharded, str(tmp_path), data[:2])
-    resumed = pool2.run(_resume_broadcast, str(tmp_path), data[2:])
+    resumed = pool2.run(_resume, str(tmp_path), data[2:], layout)
     ref2 = _train("mlp", "adamw", data[:2])
     ref3 = _train("mlp", "adamw", data)
     names = ref3["names"]
@@ -513,7 +514,8 @@ def test_checkpoint_saved_sharded_on_4_resumes_broadcast_on_2(pool4, pool2, tmp_
         keys = (".grad",) + STATE["adamw"]
         assert state == {(n, k, (S0,)) for n in names for k in keys}
     for loaded, params, losses, sbps, path in resumed:
-        assert sbps == {(B,)} and path == "fast"  # (a broadcast model: the data-parallel path)
+        # (broadcast: the data-parallel path; split(0): the sharded one, on 2 ranks now)
+        assert sbps == {(layout,)} and path == ("fast" if layout == B else "sharded")
         _close(loaded, ref2["params"], "loaded parameter")
         _close(losses, ref3["losses"][2:], "loss of step")
         _close(params, ref3["params"], "parameter")

@@ -84,7 +84,8 @@ def _global(x, y, P):
 def test_collectives_per_step(pool2, reshard, shared_memory):
     """5 units (4 hidden layers and the head), after the first step (which checks the layout):
     ZeRO-3 gathers each unit in forward and again in backward those whose weights backward
-    needs (not the last, kept, nor the first, whose input needs no gradient); ZeRO-2 once;
+    needs (the last too, freed after its forward as FSDP2 frees it; not the first, whose
+    input needs no gradient); ZeRO-2 once;
     both reduce each unit's gradient once (through shared memory on one host; through gloo
     an all-to-all and a local sum, faster there than its reduce-scatter)."""
     for steps, params, path in pool2.run(_steps, reshard, 3, None, False, shared_memory):
@@ -92,7 +93,7 @@ def test_collectives_per_step(pool2, reshard, shared_memory):
         assert params < 1e-12
         for kinds, _, gap in steps[1:]:
             assert gap < 1e-12
-            gathers = 5 + 3 if reshard else 5
+            gathers = 5 + 4 if reshard else 5
             reduction = "reduce_scatter" if shared_memory else "all_to_all"
             assert kinds == {"all_gather": gathers, reduction: 5}
 
@@ -103,9 +104,9 @@ def test_named_units_gather_together(pool2):
     for steps, params, _ in pool2.run(_steps, True, 3, ["0", "2"]):
         assert params < 1e-12
         kinds = steps[-1][0]
-        # root + 2 units forward; none again in backward: "2" is the last one (kept), and the
-        # first layer's backward needs its input, not its weight
-        assert kinds == {"all_gather": 3, "reduce_scatter": 3}
+        # root + 2 units forward; "2" again in backward (freed after its forward, though
+        # last); not "0": the first layer's backward needs its input, not its weight
+        assert kinds == {"all_gather": 4, "reduce_scatter": 3}
 
 
 def test_prefetch_and_reductions_during_backward(pool2):

@@ -353,8 +353,7 @@ class Sharding:
         self._put(u, views)
         for ahead in range(1, PREFETCH + 1):
             self._prefetch(self._after(u, self.order, ahead), "forward")
-        if self.reshard and u is not self.order[-1]:
-            # (ZeRO-3; the last unit's parameters are the first backward needs: kept)
+        if self.reshard:  # (ZeRO-3: every unit, the last too, as FSDP2 frees it)
             self._storages[u.whole.untyped_storage().data_ptr()] = u
 
     def _post_hook(self, module: torch.nn.Module, args, output) -> None:
@@ -369,7 +368,7 @@ class Sharding:
         packed = u.whole is not None and (
             self._storages.pop(u.whole.untyped_storage().data_ptr(), None) is not None
         )
-        # ZeRO-3: saved views were packed; ZeRO-2 (and the last unit): autograd keeps them
+        # ZeRO-3: saved views were packed; ZeRO-2: autograd keeps them
         self._drop(u, kept=torch.is_grad_enabled() and _outstanding(u) > 0 and not packed)
         self._event("freed", u)
 
