@@ -1,10 +1,11 @@
-"""Leaf gradients end in the leaf's sbp; partial sums are reduced in buckets after backward.
+"""Leaf gradients end in the leaf's sbp; partial sums are reduced in buckets during backward.
 
 A broadcast parameter trained on a split batch receives a partial-sum
 gradient. Reducing each one as it arrives costs one collective per parameter;
 instead each leaf whose gradient is partial where the leaf is broadcast joins
-a bucket, and when the backward pass ends one flat all-reduce per bucket makes
-every such gradient whole. Every rank sees the same leaves in the same order
+a bucket: a full bucket (`BUCKET_BYTES`) starts its flat all-reduce at once, while
+backward goes on (as torch DDP's do), and when the backward pass ends the rest are
+started and all are waited for. Every rank sees the same leaves in the same order
 (SPMD), so buckets match across ranks. Other mismatches are boxed at once.
 
 The data-parallel fast path sums its gradients apart (`sbp.data_parallel.reducer`), and
@@ -26,7 +27,6 @@ from sbp.comm import shm, stats
 
 BUCKET_BYTES = 25 * 2**20
 BUCKETS = "gradient buckets"  # the cause traced collectives of the reduction name
-_pending: dict = {}  # id(grad) -> (weak reference, target nd_sbp), in arrival order
 TORCH_GRAD = torch._C.TensorBase.grad  # torch's own `.grad`, under GlobalTensor's
 # torch's C getters (`.grad`, `.requires_grad`) look up a subclass's __torch_function__ at
 # every read, ~0.17 us on a GlobalTensor (whose is disabled); inside this they do not. For
@@ -76,14 +76,9 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
         if not getattr(leaf, "_sbp_accumulates", False):
             leaf._sbp_accumulates = True
             leaf.register_hook(functools.partial(_accumulate_partially, weakref.ref(leaf)))
-        if not _pending:
+        if not _BUCKETS.open and not _BUCKETS.started:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
-        known = _pending.get(id(grad))
-        if known is None or known[0]() is not grad:
-            # (an id freed by a dead gradient may be reused: the new one goes last, as it
-            # would on a rank where the id differs, so buckets keep the same order everywhere)
-            _pending.pop(id(grad), None)
-            _pending[id(grad)] = (weakref.ref(grad), target.nd_sbp)
+        _BUCKETS.add(grad, target.nd_sbp)
         return
     from sbp.tensor import box
 
@@ -123,67 +118,92 @@ def _bucketable(spec, target) -> bool:
     )
 
 
+class _Buckets:
+    """This backward's partial gradients, in buckets of `BUCKET_BYTES` per layout: a bucket
+    is filled in arrival order (the same on every rank) and started as soon as it is full;
+    `flush` starts the rest and waits for them all, in the order they were started."""
+
+    def __init__(self) -> None:
+        self.open: dict = {}  # layout key -> [bytes, [(weak reference, target nd_sbp)]]
+        self.started: list = []  # (members, flat or None, pending reductions)
+        self.seen: dict = {}  # id -> weak reference: the gradients bucketed in this backward
+
+    def add(self, grad: torch.Tensor, done: tuple) -> None:
+        known = self.seen.get(id(grad))
+        if known is not None and known() is grad:
+            return  # (a gradient met twice in one backward is reduced once; an id freed
+            # by a dead gradient may be reused, by a new one, which joins)
+        self.seen[id(grad)] = weakref.ref(grad)
+        spec = grad._spec
+        dims = tuple(h for h, (s, t) in enumerate(zip(spec.nd_sbp, done, strict=True)) if s != t)
+        key = (spec.placement, dims, grad.dtype, grad._local.device)
+        entry = self.open.setdefault(key, [0, []])
+        nbytes = grad._local.numel() * grad._local.element_size()
+        if entry[1] and entry[0] + nbytes > BUCKET_BYTES:
+            self._start(key, entry[1])
+            entry[0], entry[1] = 0, []
+        entry[0] += nbytes
+        entry[1].append((weakref.ref(grad), done))
+
+    def _start(self, key: tuple, members: list) -> None:
+        """Start one bucket's all-reduce: asynchronously where it sums along one hierarchy
+        dim (a data-parallel dim: DP x TP), else in `flush` (one dim after the other)."""
+        placement, dims = key[0], key[1]
+        grads = [(g, done) for g, done in ((r(), done) for r, done in members) if g is not None]
+        me = env.get_rank()
+        if not grads or me not in placement:
+            self.started.append((grads, None, []))
+            return
+        flat = torch.cat([g._local.reshape(-1) for g, _ in grads])
+        groups = [placement.group_ranks(me, h) for h in dims]
+        pending = []
+        if len(groups) == 1:
+            with stats.noted(BUCKETS, implicit=False, phase="backward"):
+                pending.append(comm.all_reduce_async(flat, "sum", groups[0]))
+        self.started.append((grads, flat, pending or groups))
+
+    def flush(self) -> None:
+        for key, (_, members) in self.open.items():
+            if members:
+                self._start(key, members)
+        started, self.started, self.open, self.seen = self.started, [], {}, {}
+        for grads, flat, pending in started:
+            if flat is not None:
+                for p in pending:
+                    if isinstance(p, tuple):  # (ranks: a dim reduced now, after the others)
+                        with stats.noted(BUCKETS, implicit=False, phase="backward"):
+                            comm.all_reduce(flat, "sum", p)
+                    else:
+                        p.wait()
+                offset = 0
+                for g, _ in grads:
+                    n = g._local.numel()
+                    g._local = flat[offset : offset + n].view(g._local.shape)
+                    offset += n
+            for g, done in grads:
+                g._spec = g._spec._replace(nd_sbp=done)
+
+    def drop(self) -> None:
+        self.open, self.started, self.seen = {}, [], {}
+
+
+_BUCKETS = _Buckets()
+
+
 def _drop_pending(ranks: tuple[int, ...]) -> None:
     """Ranks found out of step abort their backward: what it left pending is not flushed
     by the next one (one rank would reduce a bucket more than the others)."""
-    _pending.clear()
+    _BUCKETS.drop()
 
 
 shm.on_out_of_step(_drop_pending)
 
 
 def flush() -> None:
-    """Reduce every pending partial gradient, one flat all-reduce per bucket and hierarchy dim.
-
-    Only the dims where the leaf is broadcast are reduced: a partial leaf keeps a partial grad.
-    """
-    grads = [
-        (g, done) for g, done in ((r(), done) for r, done in _pending.values()) if g is not None
-    ]
-    _pending.clear()
-    # One bucket sequence per (placement, dims reduced, dtype, device): gradients of other
-    # layouts along the dims kept (a tensor-parallel split) share the data-parallel
-    # all-reduce, which sums each element with its replicas alone.
-    groups: dict = {}
-    target: dict = {}
-    for g, done in grads:
-        dims = tuple(h for h, (s, t) in enumerate(zip(g._spec.nd_sbp, done, strict=True)) if s != t)
-        key = (g._spec.placement, dims, g.dtype, g._local.device)
-        groups.setdefault(key, []).append(g)
-        target[id(g)] = done
-    me = env.get_rank()
-    for (placement, dims, _, _), members in groups.items():
-        for bucket in _buckets(members):
-            if me in placement:
-                _all_reduce_bucket(bucket, [placement.group_ranks(me, h) for h in dims])
-            for g in bucket:
-                g._spec = g._spec._replace(nd_sbp=target[id(g)])
-
-
-def _buckets(members: list) -> list[list]:
-    out, current, size = [], [], 0
-    for g in members:
-        nbytes = g._local.numel() * g._local.element_size()
-        if current and size + nbytes > BUCKET_BYTES:
-            out.append(current)
-            current, size = [], 0
-        current.append(g)
-        size += nbytes
-    if current:
-        out.append(current)
-    return out
-
-
-def _all_reduce_bucket(bucket: list, groups: list[tuple[int, ...]]) -> None:
-    flat = torch.cat([g._local.reshape(-1) for g in bucket])
-    with stats.noted(BUCKETS, implicit=False, phase="backward"):
-        for ranks in groups:
-            comm.all_reduce(flat, "sum", ranks)
-    offset = 0
-    for g in bucket:
-        n = g._local.numel()
-        g._local = flat[offset : offset + n].view(g._local.shape)
-        offset += n
+    """Make every partial gradient of this backward whole: start the buckets not started
+    yet, then wait for each, in order. Only the dims where the leaf is broadcast are
+    reduced: a partial leaf keeps a partial grad."""
+    _BUCKETS.flush()
 
 
 def run_all(calls: Iterator) -> None:

@@ -208,6 +208,38 @@ def test_dp_x_tp_on_a_2d_placement(pool4):
         }
 
 
+def _dp_tp_small_buckets(bucket_bytes: int) -> tuple[list, list, list]:
+    """DP x TP as above, gradient buckets of `bucket_bytes`: the second step's collectives
+    in the order they ran, as (phase, op)."""
+    sbp.gradients.BUCKET_BYTES = bucket_bytes  # (this worker's; put back below)
+    try:
+        P = sbp.placement("cpu", [[0, 1], [2, 3]])
+        plan = {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+        model = sbp.nn.parallelize(_model(), plan, P)
+        x, y = (t.to_global(P, (sbp.split(0), sbp.broadcast)) for t in _data())
+        opt = _adamw(model)
+        _train(model, opt, x, y, steps=1)
+        with sbp.comm_stats(trace=True) as st:
+            losses = _train(model, opt, x, y, steps=1)
+    finally:
+        sbp.gradients.BUCKET_BYTES = 25 * 2**20
+    params = [p.full_tensor() for p in model.parameters()]
+    order = [(e.phase, e.op) for e in st.events]
+    return [float(v.full_tensor()) for v in losses], params, order
+
+
+def test_dp_x_tp_gradient_buckets_overlap_backward(pool4):
+    """With buckets of one block's gradients (4352 bytes per rank), each bucket's
+    data-parallel all-reduce starts as soon as it is full, while backward goes on: the
+    first starts before backward's last tensor-parallel all-reduce (the second block's
+    input gradient), as torch DDP overlaps its buckets. Equal to one process."""
+    for order in _as_one_process(pool4.run(_dp_tp_small_buckets, 4352), _model(), *_data()):
+        buckets = [i for i, e in enumerate(order) if e == ("backward", "gradient buckets")]
+        tp_backward = [i for i, e in enumerate(order) if e == ("backward", "to_global")]
+        assert len(buckets) == BLOCKS and len(tp_backward) == BLOCKS - 1
+        assert buckets[0] < tp_backward[-1]
+
+
 def _by_layouts(model: torch.nn.Module, P, tp_dim: int) -> torch.nn.Module:
     """Megatron's weight layouts set parameter by parameter, no plan: fc1/qkv split(0),
     fc2/proj weights split(1), the rest broadcast (split along hierarchy dim `tp_dim`)."""
