@@ -140,14 +140,15 @@ class _Buckets:
         entry = self.open.setdefault(key, [0, []])
         nbytes = grad._local.numel() * grad._local.element_size()
         if entry[1] and entry[0] + nbytes > BUCKET_BYTES:
-            self._start(key, entry[1])
+            self._start(key, entry[1], overlap=True)
             entry[0], entry[1] = 0, []
         entry[0] += nbytes
         entry[1].append((weakref.ref(grad), done))
 
-    def _start(self, key: tuple, members: list) -> None:
-        """Start one bucket's all-reduce: asynchronously where it sums along one hierarchy
-        dim (a data-parallel dim: DP x TP), else in `flush` (one dim after the other)."""
+    def _start(self, key: tuple, members: list, overlap: bool = False) -> None:
+        """Start one bucket's all-reduce: asynchronously while backward goes on (`overlap`)
+        where it sums along one hierarchy dim (a data-parallel dim: DP x TP); else in
+        `flush`, at once (through shared memory on one host) and one dim after the other."""
         placement, dims = key[0], key[1]
         grads = [(g, done) for g, done in ((r(), done) for r, done in members) if g is not None]
         me = env.get_rank()
@@ -157,7 +158,7 @@ class _Buckets:
         flat = torch.cat([g._local.reshape(-1) for g, _ in grads])
         groups = [placement.group_ranks(me, h) for h in dims]
         pending = []
-        if len(groups) == 1:
+        if overlap and len(groups) == 1:
             with stats.noted(BUCKETS, implicit=False, phase="backward"):
                 pending.append(comm.all_reduce_async(flat, "sum", groups[0]))
         self.started.append((grads, flat, pending or groups))

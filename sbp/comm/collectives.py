@@ -273,21 +273,13 @@ class Pending:
 
 
 def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
-    """Start summing `tensor` in place over `ranks`; the caller waits on the result.
-    Through shared memory (one host, up to 8 MiB) it completes at once, as the other
-    `*_async` collectives do there: memcpy speed beats gloo's overlap."""
+    """Start summing `tensor` in place over `ranks`; the caller waits on the result."""
     if op != "sum":
         raise ValueError("all_reduce_async sums (max/min keep NaN through all_reduce)")
     if len(ranks) == 1 or tensor.dtype in _GLOO_LACKS:  # (the latter reduced wider, at once)
         return Pending(None, all_reduce(tensor, op, ranks), "all_reduce", ranks)
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
-    segment = _shared_segment(tensor, ranks, "all_reduce")
-    if segment is not None:
-        return Pending(None, segment.all_reduce(tensor, op), "all_reduce", ranks)
     _agree("all_reduce", tensor, ranks, op)
-    segment = None if tensor.dtype == torch.bool else _big_segment(tensor, ranks, "all_reduce")
-    if segment is not None:
-        return Pending(None, segment.all_reduce(tensor, op), "all_reduce", ranks)
     with guarded("all_reduce", ranks):
         work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=get_group(ranks), async_op=True)
     return Pending(work, tensor, "all_reduce", ranks)
