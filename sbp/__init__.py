@@ -11,6 +11,7 @@ from sbp.errors import (
     LabelRangeError,
     MetaMismatchError,
     PlacementError,
+    RankFailedError,
     SbpError,
     SbpSignatureError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "LabelRangeError",
     "MetaMismatchError",
     "PlacementError",
+    "RankFailedError",
     "SbpError",
     "SbpSignatureError",
     "boxing",

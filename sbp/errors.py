@@ -17,6 +17,16 @@ class MetaMismatchError(SbpError, RuntimeError):
     """Ranks of one placement disagree on a tensor's dtype, shape, device or sbp."""
 
 
+class RankFailedError(MetaMismatchError):
+    """Another rank raised an error (bad input) at a point where this rank went on into a
+    collective with it; names that rank and its error. Every rank raises: none waits out
+    the timeout for a call its peer will never make."""
+
+    def __init__(self, message: str, rank: int = -1):
+        super().__init__(message)
+        self.rank = rank
+
+
 class DeviceMismatchError(SbpError, ValueError):
     """A local tensor's device does not match its placement's device type."""
 

@@ -231,6 +231,7 @@ def locals_to_global(
     if bad is not None:  # every rank raises it at once, not only this one
         if check_meta is not False:
             agreement.raise_everywhere(bad)
+        agreement.announce(bad, placement)  # (unchecked: the others may go on)
         raise bad
     me = env.get_rank()
     inside = me in placement
@@ -253,6 +254,7 @@ def locals_to_global(
         exchanged = _exchange_rows([d for d, _ in rows], [m for _, m in rows], error)
         metas = [_read_rows(r, placement, sbp, check_meta) for r in exchanged]
     elif error is not None:
+        agreement.announce(error, placement)
         raise error
     else:  # trusted; in a world of one, this rank's range is the logical tensor's
         metas = [

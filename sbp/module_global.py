@@ -54,6 +54,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
     if bad is not None:  # nothing converted yet: the module stays as it was
         if kwargs.get("check_meta", True):
             agreement.raise_everywhere(bad, "module.to_global")
+        agreement.announce(bad, placement)  # (unchecked: the others may go on)
         raise bad
     done: dict[int, Any] = {}
     nd = normalize_nd_sbp(sbp, placement.ndim)

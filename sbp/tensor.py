@@ -27,6 +27,7 @@ from sbp.errors import (
     InputTypeError,
     MetaMismatchError,
     PlacementError,
+    SbpError,
 )
 from sbp.layout import GlobalSpec, check_shape
 from sbp.placement import placement as Placement
@@ -208,6 +209,23 @@ class GlobalTensor(torch.Tensor):
         so may `sync_data` and `check_meta` (checked to be bools, else unused: a re-box moves
         the values it has, and ranks agree on it through `agreement.check_rebox`), so that a
         nest mixing local and global tensors takes them."""
+        try:
+            dst, grad = self._rebox_target(placement, sbp, grad_sbp, shape, sync_data, check_meta)
+        except SbpError as e:  # (the others go on into the re-box: they raise there too)
+            within = {*self._spec.placement.flat_ranks}
+            if isinstance(placement, Placement):
+                within.update(placement.flat_ranks)
+            agreement.announce(e, tuple(sorted(within)))
+            raise
+        if dst == self._spec and (grad_sbp is None or not self.requires_grad):
+            return self  # a no-op costs nothing, a partial tensor's included
+        # (with grad_sbp given, even one equal to its sbp: the gradient is converted to it
+        # here in backward, whatever layout its consumers send back: Megatron's "f")
+        agreement.check_rebox(self._spec, dst, self.requires_grad, self._local)  # once per pair
+        return _Box.apply(self, dst, grad)
+
+    def _rebox_target(self, placement, sbp, grad_sbp, shape, sync_data, check_meta):
+        """`to_global`'s arguments checked: the target spec and the gradient's nd_sbp."""
         check_options(sync_data, check_meta)
         if placement is not None and not isinstance(placement, Placement):
             raise PlacementError(
@@ -220,13 +238,7 @@ class GlobalTensor(torch.Tensor):
             )
         dst = boxing.target_spec(self._spec, placement, sbp)
         dst.placement.check_in_world(env.get_world_size())
-        grad = grad_nd_sbp(self._spec, grad_sbp)
-        if dst == self._spec and (grad_sbp is None or not self.requires_grad):
-            return self  # a no-op costs nothing, a partial tensor's included
-        # (with grad_sbp given, even one equal to its sbp: the gradient is converted to it
-        # here in backward, whatever layout its consumers send back: Megatron's "f")
-        agreement.check_rebox(self._spec, dst, self.requires_grad, self._local)  # once per pair
-        return _Box.apply(self, dst, grad)
+        return dst, grad_nd_sbp(self._spec, grad_sbp)
 
     def register_hook(self, hook):
         """torch's; counted (`COUNTS.hooks_set`): the data-parallel fast path's local gradients

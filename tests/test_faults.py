@@ -186,3 +186,44 @@ def test_shared_memory_all_reduce_is_bounded_and_notices_a_dead_peer():
         assert "CommTimeoutError: all_reduce (shared memory)" in rank0 and "[1] exited" in rank0
     finally:
         pool.close()
+
+
+def _arrival_beside_a_peer_ahead() -> tuple:
+    """Rank 0 waits in the store's arrival while rank 1, ahead, waits for it inside a
+    shared-memory all-reduce; then each makes the other's call, and both arrive again."""
+    from sbp.comm import arrival, fingerprint
+
+    assert not fingerprint.ENABLED  # SBP_CHECK_COLLECTIVES=0
+    ranks = (0, 1)
+    comm.all_reduce(torch.ones(2), "sum", ranks)  # (the segment is made)
+    start = time.monotonic()
+    if sbp.env.get_rank() == 0:
+        first = arrival.arrived_together(ranks, 0.5, "rank 0 gave up")
+        total = comm.all_reduce(torch.ones(2), "sum", ranks)
+    else:
+        total = comm.all_reduce(torch.ones(2), "sum", ranks)
+        first = arrival.arrived_together(ranks, 0.5, "rank 1 gave up")
+    second = arrival.arrived_together(ranks, 10.0, "gave up")
+    return first, second, total.tolist(), time.monotonic() - start
+
+
+def test_arrival_with_the_check_off_waits_without_withdrawing(monkeypatch):
+    """With SBP_CHECK_COLLECTIVES=0 a rank in the arrival that sees a peer ahead (waiting in
+    a collective) neither raises nor withdraws: it gives up after its window, as the store
+    says to every rank, and the arrivals stay numbered alike (the next one meets). Before
+    (bfbe17f): it took its arrival back at every poll, so its later arrivals were numbered
+    apart from the peer's and never met (both gave up)."""
+    from sbp.comm import shm
+
+    if not shm.usable(torch.ones(2)):
+        pytest.skip("no shared-memory path on this platform")
+    monkeypatch.setenv("SBP_CHECK_COLLECTIVES", "0")
+    pool = SpmdPool(2, timeout=60, comm_timeout=60.0)
+    try:
+        for first, second, total, seconds in pool.run(_arrival_beside_a_peer_ahead):
+            assert first == "rank 0 gave up"
+            assert second == "every rank arrived"
+            assert total == [2.0, 2.0]
+            assert seconds < 10
+    finally:
+        pool.close()

@@ -210,3 +210,47 @@ def test_divergent_per_rank_state_raises_on_every_rank_at_once(divergence, pool2
         assert name == "MetaMismatchError", message
         assert "out of step" in message or "the ranks run different code" in message
         assert seconds < 10
+
+
+def _skipped_step() -> tuple:
+    """A data-parallel loop where rank 1 skips step 2 (every step runs the same
+    collectives), then an evaluation with a batch of another size: the error, the steps
+    each rank finished, the time."""
+    torch.manual_seed(0)
+    P = sbp.placement.all("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = model.to_global(P, B)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    done: list = []
+    start = time.monotonic()
+    try:
+        for step in range(5):
+            if sbp.env.get_rank() == 1 and step == 2:
+                continue
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 16, generator=g).to_global(P, S0)
+            y = torch.randint(0, 4, (8,), generator=g).to_global(P, S0)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+            done.append(step)
+        with torch.no_grad():
+            model(torch.randn(4, 16).to_global(P, S0)).sum().item()
+    except sbp.SbpError as e:
+        return type(e).__name__, str(e), done, time.monotonic() - start
+    return "no error", "", done, time.monotonic() - start
+
+
+def test_a_skipped_step_is_named_at_the_first_call_that_differs(pool2):
+    """Steps that run the same collectives cannot be told apart: with step 2 skipped on
+    rank 1, its steps 3 and 4 pair with rank 0's steps 2 and 3 (no fingerprint differs),
+    and rank 0's step 4 meets rank 1's evaluation: its batch's metadata (checked at every
+    `to_global` of a local tensor) differs, named on both ranks at once. (Had rank 1
+    exited instead, rank 0 would raise CommTimeoutError naming it within ~10 ms.)"""
+    (name0, message0, done0, s0), (name1, message1, done1, s1) = pool2.run(_skipped_step)
+    assert done0 == [0, 1, 2, 3] and done1 == [0, 1, 3, 4]
+    assert name0 == name1 == "MetaMismatchError" and message0 == message1
+    assert "local shapes [(8, 16), (4, 16)] of ranks [0, 1]" in message0
+    assert s0 < 10 and s1 < 10

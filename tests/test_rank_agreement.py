@@ -119,3 +119,124 @@ def test_equal_replicas_and_settings_pass(pool2, tmp_path):
     for got0, got1, want in zip(rank0, rank1, model.state_dict().values(), strict=True):
         torch.testing.assert_close(got0, want, rtol=1e-12, atol=1e-12)
         assert torch.equal(got0, got1)
+
+
+# A bad argument on one rank only: that rank raises its error, and the others, which go on
+# into the re-box's collectives (its layouts were checked before, so they skip the
+# exchange), raise `RankFailedError` naming it there. Before: they waited out the timeout
+# (the pools' is 60 s) and raised CommTimeoutError.
+BAD_ARGUMENTS = {
+    "placement": lambda x, P: x.to_global(placement="cpu", sbp=B),
+    "sbp": lambda x, P: x.to_global(P, sbp.split(5)),
+    "grad_sbp": lambda x, P: x.to_global(P, B, grad_sbp="split"),
+}
+
+
+def _bad_argument_on_rank_one(bad: str, numel: int, everywhere: bool) -> tuple:
+    """A checked re-box of a (numel, 1) split(0) tensor to broadcast; then rank 1 (or every
+    rank) passes a bad argument, the others the same re-box: each rank's error and time,
+    then the same re-box again on every rank (the world goes on)."""
+    P = sbp.placement.all("cpu")
+    x = sbp.arange(numel, dtype=torch.float32, placement=P, sbp=S0).reshape(numel, 1)
+    x.to_global(P, B)  # checked: from now on this re-box skips the exchange
+    start = time.monotonic()
+    try:
+        if sbp.env.get_rank() == 1 or everywhere:
+            BAD_ARGUMENTS[bad](x, P)
+        else:
+            x.to_global(P, B)
+        name, message = "no error", ""
+    except sbp.SbpError as e:
+        name, message = type(e).__name__, str(e)
+    seconds = time.monotonic() - start
+    again = x.to_global(P, B).to_local()
+    return (
+        name,
+        message,
+        seconds,
+        torch.equal(again.view(-1), torch.arange(numel, dtype=torch.float32)),
+    )
+
+
+ERRORS = {
+    "placement": "PlacementError",
+    "sbp": "SbpSignatureError",
+    "grad_sbp": "SbpSignatureError",
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ARGUMENTS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bad_argument_on_one_rank_is_named_on_every_rank_at_once(bad, world, pool2, pool4):
+    pool = pool2 if world == 2 else pool4
+    for rank, (name, message, seconds, usable) in enumerate(
+        pool.run(_bad_argument_on_rank_one, bad, 6, False)
+    ):
+        if rank == 1:
+            assert name == ERRORS[bad], message
+        else:
+            assert name == "RankFailedError", message
+            assert message.startswith(f"rank 1 raised {ERRORS[bad]}: "), message
+            assert "all_gather of" in message
+        assert seconds < 10  # the pools' timeout is 60 s
+        assert usable
+
+
+def test_a_bad_argument_is_named_before_a_collective_through_gloo(pool2):
+    """A re-box of 1.2 MB per rank runs through gloo (or the large segment) after the
+    fingerprint's meeting in the small segment: the others raise at that meeting."""
+    for rank, (name, message, seconds, usable) in enumerate(
+        pool2.run(_bad_argument_on_rank_one, "sbp", 300_000, False)
+    ):
+        assert name == ("SbpSignatureError" if rank == 1 else "RankFailedError"), message
+        assert seconds < 10 and usable
+
+
+def test_the_same_bad_argument_on_every_rank_raises_it_alone(pool2):
+    """Every rank raised at the same call: none names another, and the next call meets."""
+    for name, message, seconds, usable in pool2.run(_bad_argument_on_rank_one, "sbp", 6, True):
+        assert name == "SbpSignatureError", message
+        assert seconds < 1 and usable
+
+
+def _retried_on_error() -> tuple:
+    """Rank 1's first argument is bad; every rank handles the error alike (retrying the
+    re-box), whichever error it got: the ranks meet in the retry, the values right."""
+    P = sbp.placement.all("cpu")
+    x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
+    x.to_global(P, B)
+    errors = []
+    for _ in range(3):
+        target = sbp.split(3) if sbp.env.get_rank() == 1 and not errors else B
+        try:
+            y = x.to_global(P, target)
+            break
+        except sbp.SbpError as e:
+            errors.append(type(e).__name__)
+    return errors, y.to_local().tolist()
+
+
+def test_the_ranks_meet_again_after_a_bad_argument_on_one_rank(pool2):
+    for rank, (errors, values) in enumerate(pool2.run(_retried_on_error)):
+        assert errors == (["SbpSignatureError"] if rank == 1 else ["RankFailedError"])
+        assert values == [0.0, 1.0, 2.0, 3.0]
+
+
+def _unchecked_local_to_global() -> tuple:
+    """`to_global(check_meta=False)` of a local tensor (no exchange of the metadata) with a
+    bad sbp on rank 1: the others go on into the broadcast of `sync_data`."""
+    P = sbp.placement.all("cpu")
+    nd = sbp.split(4) if sbp.env.get_rank() == 1 else B
+    start = time.monotonic()
+    try:
+        torch.ones(3).to_global(P, nd, check_meta=False)
+        name = "no error"
+    except sbp.SbpError as e:
+        name = type(e).__name__
+    return name, time.monotonic() - start
+
+
+def test_an_unchecked_local_tensor_with_a_bad_argument_is_named_at_once(pool2):
+    names = [name for name, _ in pool2.run(_unchecked_local_to_global)]
+    assert names == ["RankFailedError", "SbpSignatureError"]
+    assert all(seconds < 10 for _, seconds in pool2.run(_unchecked_local_to_global))

@@ -7,7 +7,8 @@ of the conversion over the ranks of both placements the first time a rank meets 
 the default: one small all-gather per new conversion), on every call ("always"),
 or never ("never"); a divergence raises `MetaMismatchError` on every rank.
 `raise_everywhere` sends a rank's own bad-input error through the same exchange,
-so that every rank raises it at once instead of waiting for the bad one.
+so that every rank raises it at once instead of waiting for the bad one; where the others
+do not exchange (a re-box checked before), `announce` marks it where they wait instead.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def raise_everywhere(error: BaseException, what: str = "to_global") -> None:
     """
     exchange({}, world(), (), what, error=error)
     raise error  # a world of one
+
+
+def announce(error: BaseException, ranks: object = None) -> None:
+    """This rank raises `error` (bad input) before a call over `ranks` (a tuple, or a
+    placement's; else the world)
+    whose peers skip the exchange (a re-box checked before, `check_meta=False`) and go
+    straight into its collectives: they raise `RankFailedError` naming this rank there, at
+    once (see `shm.announce_failure`)."""
+    if env.get_world_size() > 1:
+        ranks = getattr(ranks, "flat_ranks", ranks)
+        shm.announce_failure(error, ranks if isinstance(ranks, tuple) else world())
 
 
 def check_rebox(

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from sbp import env
 from sbp.comm import fingerprint
-from sbp.errors import CommTimeoutError, MetaMismatchError
+from sbp.errors import CommTimeoutError, MetaMismatchError, RankFailedError
 
 SLOT_BYTES = 64 * 1024
 # A second, larger segment per rank set (`big_segment`) for all-reduces of 64 KiB-8 MiB and
@@ -84,9 +84,15 @@ class Segment:
         self.away = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=24, strides=(LINE,))
         self.undone = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=32, strides=(LINE,))
         self._answered: dict[int, int] = {}  # peer index -> the mark this rank raised for
+        # A rank's mark after it raised on bad input where its peers go on into a collective
+        # (`announce_failure`), and the calls this rank had made at its own last mark.
+        self.failed = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=40, strides=(LINE,))
+        self.failed_at = -1
+        # acks[k, r]: the mark of rank r that rank k answered (raised for, or failed alike)
+        self.acks = np.ndarray((n, n), dtype=np.int64, buffer=mapping, offset=LINE * n)
         with torch.inference_mode(False):
             self.slots = torch.frombuffer(
-                mapping, dtype=torch.uint8, offset=LINE * n, count=2 * n * slot_bytes
+                mapping, dtype=torch.uint8, offset=_header(n), count=2 * n * slot_bytes
             ).view(2, n, slot_bytes)
         self.others = [k for k in range(n) if k != self.me]
         self._view_cache: dict = {}
@@ -125,6 +131,8 @@ class Segment:
     def _meet(self, n: int, fp: int) -> None:
         """Publish call `n` with its fingerprint, wait for every rank's, compare them."""
         self.away[self.me] = 0  # (back from an arrival that found the ranks out of step)
+        if _marked and self in _marked:  # (this rank goes on after its announced failure)
+            self._settle_failure()
         self.fingerprints[self.me, n & 1] = fp
         self.seq[self.me] = n
         self._wait(n, fp)
@@ -224,6 +232,12 @@ class Segment:
                 f"{list(self.ranks)}: the ranks run different code (per-rank settings "
                 "differ, or a call made on some ranks only)"
             )
+        failed = [r for r in late if self._peer_failed(self.ranks.index(r), n)]
+        if failed:
+            mark = int(self.failed[self.ranks.index(failed[0])])
+            self.calls, self.seq[self.me] = n - 1, n - 1  # (taken back: nobody read call n)
+            _answer(failed[0], mark >> 32)
+            raise _rank_failed(failed[0], mark >> 32, fp, self.ranks)
         dead = [r for r in late if not _alive(self.pids[self.ranks.index(r)])]
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
@@ -231,6 +245,124 @@ class Segment:
                 f"all_reduce (shared memory) over ranks {list(self.ranks)} failed within the "
                 f"timeout of {env.get_timeout()} (sbp.env.init(timeout=...)): {why}"
             )
+
+    def _peer_failed(self, index: int, n: int) -> bool:
+        """Did peer `index` raise right after its call n - 1 (announced, not answered yet),
+        while this rank, which did not raise there itself, waits in call n? (Where this
+        rank raised there too, it answers at once: the ranks are in step.)"""
+        mark = int(self.failed[index])
+        if not mark or self.acks[self.me, index] == mark or (mark & _CALL_BITS) != n:
+            return False
+        if self.failed_at == n - 1:
+            self.acks[self.me, index] = mark
+            return False
+        return True
+
+    def _settle_failure(self) -> None:
+        """Before this rank's first call after its announced failure: wait until every peer
+        answered the mark (raised in the call this rank skipped, or raised at the same
+        point itself), so that no peer's skipped call pairs with this one; then drop it."""
+        mark, start = int(self.failed[self.me]), time.monotonic()
+        timeout = env.get_timeout().total_seconds()
+        while True:
+            fps = self.failed.tolist()
+            waiting = [
+                k
+                for k in self.others
+                if self.acks[k, self.me] != mark and (fps[k] & _CALL_BITS) != (mark & _CALL_BITS)
+            ]
+            if not waiting:
+                break
+            dead = [self.ranks[k] for k in waiting if not _alive(self.pids[k])]
+            if dead or time.monotonic() - start > timeout:
+                _marked.remove(self)
+                self.failed[self.me] = 0
+                raise CommTimeoutError(
+                    f"ranks {dead or [self.ranks[k] for k in waiting]} "
+                    f"{'exited' if dead else 'did not arrive'} while rank {env.get_rank()} "
+                    f"waited for them to see its error (over ranks {list(self.ranks)}, within "
+                    f"the timeout of {env.get_timeout()})"
+                )
+            time.sleep(SLEEP_S if time.monotonic() - start < YIELD_S else CHECK_EVERY_S / 10)
+        _marked.remove(self)
+        self.failed[self.me] = 0
+
+
+_marked: list[Segment] = []  # the segments holding this rank's failure mark
+_failures = [0]  # failures this process announced (part of each mark: every one differs)
+
+
+def announce_failure(error: BaseException, ranks: tuple[int, ...]) -> None:
+    """This rank raises `error` (bad input) where its peers of `ranks` go on into
+    collectives with it: mark it in the segments of its rank sets within `ranks`, so that a
+    peer waiting in the call this rank will not make raises `RankFailedError` naming it
+    (within ~10 ms, see `_check_peers`) instead of waiting out the timeout, and takes that
+    call back. This rank's next call there first waits for every peer to answer
+    (`_settle_failure`), so the ranks stay in step whichever comes first; ranks that raised
+    at the same call (the same bad input everywhere) answer each other at once. Costs
+    nothing on the collectives' path (one check of a list). Peers blocked inside gloo (no
+    segment: another host, SBP_SHM=0) are not reached: they wait out the timeout as before."""
+    within = set(ranks)
+    segments = {
+        id(s): s
+        for _, s in (*_segments.values(), *_big_segments.values())
+        if s is not None and within.issuperset(s.ranks)
+    }
+    if not segments:
+        return
+    _failures[0] += 1
+    count = _failures[0]
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):  # (the message only: the mark says enough)
+            store.set(_failure_key(env.get_rank(), count), f"{type(error).__name__}: {error}")
+    for segment in segments.values():
+        segment.failed_at = segment.calls
+        segment.failed[segment.me] = (count << 32) | (segment.calls + 1)
+        if segment not in _marked:
+            _marked.append(segment)
+
+
+def _answer(rank: int, count: int) -> None:
+    """This rank raised for `rank`'s failure number `count`: it answers that mark in every
+    segment shared with `rank` (it raises once for it, not again at another rank set)."""
+    for _, segment in (*_segments.values(), *_big_segments.values()):
+        if segment is not None and rank in segment.ranks:
+            index = segment.ranks.index(rank)
+            mark = int(segment.failed[index])
+            if mark >> 32 == count:
+                segment.acks[segment.me, index] = mark
+
+
+def _header(n: int) -> int:
+    """Bytes before the slots: a line per rank, then the n x n acks (whole lines)."""
+    return LINE * n + -(-8 * n * n // LINE) * LINE
+
+
+def _failure_key(rank: int, count: int) -> str:
+    return f"sbp/rank-failed/{rank}/{count}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no group, or the rank that hosted it exited
+        return None
+
+
+def _rank_failed(rank: int, count: int, fp: int, ranks: tuple[int, ...]) -> RankFailedError:
+    what = "an error"
+    store = _store()
+    with contextlib.suppress(Exception):
+        key = _failure_key(rank, count)
+        if store is not None and store.check([key]):
+            what = store.get(key).decode()
+    return RankFailedError(
+        f"rank {rank} raised {what} -- at a call it then did not make: rank {env.get_rank()} "
+        f"runs {fingerprint.describe(fp)} over ranks {list(ranks)} there, which rank {rank} "
+        "will not join; every rank raises (none waits out the timeout)",
+        rank,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -365,7 +497,7 @@ def _host() -> str:
 
 
 def _make(ranks: tuple[int, ...], group, slot_bytes: int = SLOT_BYTES) -> Segment | None:
-    size = LINE * len(ranks) + 2 * len(ranks) * slot_bytes
+    size = _header(len(ranks)) + 2 * len(ranks) * slot_bytes
     leader = env.get_rank() == ranks[0]
     created, fd = None, None
     if leader:
