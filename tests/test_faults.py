@@ -177,13 +177,16 @@ def test_shared_memory_all_reduce_is_bounded_and_notices_a_dead_peer():
     pool = SpmdPool(2, timeout=60, comm_timeout=60.0)
     try:
         message, seconds = pool.run(_shared_memory_peer, "stays away")[0]
-        assert "all_reduce (shared memory) over ranks [0, 1]" in message
+        assert (
+            "all_reduce(sum) of 8 bytes of torch.float32 (shared memory) over ranks [0, 1]"
+            in message
+        )
         assert "ranks [1] did not arrive" in message
         assert TIMEOUT <= seconds < 2 * TIMEOUT
         with pytest.raises(SpmdError) as info:
             pool.run(_shared_memory_peer, "exits", timeout=60)
         rank0 = info.value.errors[0]
-        assert "CommTimeoutError: all_reduce (shared memory)" in rank0 and "[1] exited" in rank0
+        assert "CommTimeoutError: all_reduce(sum) of 8 bytes" in rank0 and "[1] exited" in rank0
     finally:
         pool.close()
 

@@ -242,7 +242,8 @@ class Segment:
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
             raise CommTimeoutError(
-                f"all_reduce (shared memory) over ranks {list(self.ranks)} failed within the "
+                f"{fingerprint.describe(fp)} (shared memory) over ranks {list(self.ranks)} "
+                "failed within the "
                 f"timeout of {env.get_timeout()} (sbp.env.init(timeout=...)): {why}"
             )
 
