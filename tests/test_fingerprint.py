@@ -76,6 +76,37 @@ def test_swapped_collectives_raise_on_every_rank(
             assert f"another rank ran {other}" in message, message
 
 
+def _device_tensor_sizes_differ(shared_memory: bool) -> tuple[str, float]:
+    """Rank 0 is about to sum 6 elements of a device tensor, the others 8 (a `meta` tensor
+    stands in for a CUDA one: the meeting reads only its dtype and size, on the host)."""
+    saved = shm._ENABLED
+    shm._ENABLED = shared_memory
+    try:
+        ranks = tuple(range(sbp.env.get_world_size()))
+        n = 6 if sbp.env.get_rank() == 0 else 8
+        tensor = torch.empty(n, device="meta")
+        message, seconds = _raises_mismatch(
+            lambda: collectives._agree("all_reduce", tensor, ranks, "sum")
+        )
+        collectives._agree("all_reduce", torch.empty(3, device="meta"), ranks, "sum")  # in step
+        return message, seconds
+    finally:
+        shm._ENABLED = saved
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_device_tensors_collectives_are_fingerprinted_on_the_host(
+    shared_memory, world, pool2, pool4
+):
+    """A collective of device tensors (NCCL) meets on the host first, as a gloo one does:
+    before, only CPU tensors were fingerprinted (no GPU here: NCCL itself is not run)."""
+    pool = pool2 if world == 2 else pool4
+    for message, seconds in pool.run(_device_tensor_sizes_differ, shared_memory):
+        assert "all_reduce(sum) of 24 bytes" in message and "of 32 bytes" in message, message
+        assert seconds < 5
+
+
 def _swapped_conversions() -> tuple[str, float]:
     """Two re-boxings, checked once in one order (the metadata check is then cached), then
     in swapped order on rank 1: (6, 1) and (8, 1) split(0) -> broadcast."""

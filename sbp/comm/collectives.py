@@ -213,9 +213,14 @@ def _big_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment |
 def _agree(
     kind: str, tensor: torch.Tensor, ranks: Ranks, op: str | None = None, nbytes: int = -1
 ) -> None:
-    """Before a gloo collective: the ranks compare its fingerprint (see `fingerprint`), in
-    the rank set's shared segment where there is one, else by a 2-element all-reduce."""
-    if not fingerprint.ENABLED or tensor.device.type != "cpu":
+    """Before a gloo or NCCL collective: the ranks compare its fingerprint (see
+    `fingerprint`) on the host, in the rank set's shared segment where there is one, else
+    by a 2-element all-reduce of CPU tensors (gloo). A device tensor's collective is
+    checked so too, without waiting for the device; not where the group has no CPU
+    backend (`backend="nccl"` alone)."""
+    if not fingerprint.ENABLED:
+        return
+    if tensor.device.type != "cpu" and not _host_backend(ranks):
         return
     fp = fingerprint.of(kind, tensor.dtype, _nbytes(tensor) if nbytes < 0 else nbytes, op)
     segment = _segment(ranks, kind)
@@ -230,6 +235,23 @@ def _agree(
         sides = [(f"rank {env.get_rank()} (this one)", fp)]
         sides += [("another rank", other) for other in (high, low) if other != fp]
         raise MetaMismatchError(fingerprint.mismatch(sides, ranks, "gloo"))
+
+
+_host_backends: dict[Ranks, bool] = {}
+
+
+def _host_backend(ranks: Ranks) -> bool:
+    """Can the rank set's group run a collective of CPU tensors (gloo beside NCCL, as
+    `sbp.env.init` makes it by default)?"""
+    known = _host_backends.get(ranks)
+    if known is None:
+        try:
+            get_group(ranks)._get_backend(torch.device("cpu"))
+            known = True
+        except (RuntimeError, AttributeError, ValueError):
+            known = False
+        _host_backends[ranks] = known
+    return known
 
 
 def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
