@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 from sbp import stand_ins
+from sbp.boxing import box
 from sbp.gradients import PLAIN_GETTERS
 from sbp.layout import GlobalSpec
 from sbp.ops.nn import NllLayout, check_labels, never_ignored, nll_layout
 from sbp.signature import broadcast, is_all_broadcast, splits_to_partials
-from sbp.tensor import GlobalTensor, box, rebox_differentiably, to_local_differentiably
+from sbp.tensor import GlobalTensor, rebox_differentiably, to_local_differentiably
 
 
 class ExitLocal(torch.autograd.Function):
