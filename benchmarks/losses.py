@@ -1,7 +1,7 @@
 """Loss benchmark: a data-parallel step's loss on the fast path's output, local vs op by op.
 
 The data-parallel fast path runs the model on local tensors; the loss of its output runs on
-the local tensors too where `sbp.nn.outputs` knows the loss (cross-entropy, K-dim
+the local tensors too where `sbp.data_parallel.outputs` knows the loss (cross-entropy, K-dim
 cross-entropy, mse, binary cross-entropy with logits, ...), else op by op through the
 rules. One step here is forward, loss and backward of a small model (a step that is mostly
 host work, as a GPU step is), timed side by side for

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sbp import checkpoint_files, env, optim_step, replicas
+from sbp import checkpoint_files, env, optim_step, replicas, tensor_parts
 from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import arrival
 from sbp.comm.collectives import guarded
@@ -35,7 +35,6 @@ from sbp.errors import (
     MetaMismatchError,
     PlacementError,
     SbpError,
-    SbpSignatureError,
 )
 from sbp.layout import GlobalSpec
 from sbp.placement import placement as Placement
@@ -66,46 +65,6 @@ class CheckpointError(SbpError, RuntimeError):
 
 
 ARRIVAL_WINDOW_S = 30.0  # how long save/load wait for every rank to call them (or timeout/2)
-
-
-# ---------------------------------------------------------------- DCP protocol
-
-
-def chunk_list(g: GlobalTensor) -> list:
-    """The chunk of the logical tensor this rank holds (none outside the placement)."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-    me = env.get_rank()
-    if me not in g.placement:
-        return []
-    if any(s.is_partial for s in g.sbp):
-        raise SbpSignatureError(
-            f"a GlobalTensor with sbp {format_nd_sbp(g.sbp)} holds partial values, which DCP "
-            "cannot write or read: use sbp.checkpoint.save/load (they reduce partials), or "
-            "convert it first with .to_global(sbp=...)"
-        )
-    ranges = g._spec.ranges(me)
-    return [
-        ChunkStorageMetadata(
-            offsets=torch.Size(a for a, _ in ranges), sizes=torch.Size(b - a for a, b in ranges)
-        )
-    ]
-
-
-def write_items(g: GlobalTensor, fqn: str) -> list:
-    """One SHARD write item for this rank's chunk; DCP keeps one of equal chunks (replicas)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    properties = TensorProperties.create_from_tensor(g._local)
-    return [
-        WriteItem(
-            index=MetadataIndex(fqn, chunk.offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=g.size()),
-        )
-        for chunk in chunk_list(g)
-    ]
 
 
 # ---------------------------------------------------------------- save / load
@@ -548,29 +507,6 @@ def full_state_dict(obj: Any, *, rank: int | None = None) -> Any:
     return out if rank is None or me == rank else {}
 
 
-def copy_plain_value(g: GlobalTensor, src: torch.Tensor, non_blocking: bool) -> GlobalTensor:
-    """Distribute `src`, the logical value held whole on every rank, by `g`'s sbp.
-
-    Each rank copies the slice it holds; along a partial_sum dim the first rank holds the
-    value and the others zeros. No communication, so every rank must pass the same value.
-    """
-    me = env.get_rank()
-    if tuple(src.shape) != tuple(g.shape):
-        raise MetaMismatchError(
-            f"copy_: a plain source of shape {tuple(src.shape)} is taken as the logical value "
-            f"and must have the global tensor's shape {tuple(g.shape)}"
-        )
-    if me not in g.placement:
-        return g
-    coord = g.placement.coord(me)
-    if any(s == Partial("sum") and c != 0 for s, c in zip(g.sbp, coord, strict=True)):
-        g._local.zero_()
-    else:
-        part = src[tuple(slice(a, b) for a, b in g._spec.ranges(me))]
-        g._local.copy_(part, non_blocking=non_blocking)
-    return g
-
-
 # ---------------------------------------------------------------- torch.save / torch.load
 
 
@@ -648,3 +584,4 @@ def _decode(code: tuple) -> SBP:
 
 
 torch.serialization.add_safe_globals([rebuild_global_tensor])
+tensor_parts.pickle_with(reduce_global_tensor)

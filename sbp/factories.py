@@ -17,6 +17,7 @@ import torch
 
 from sbp import comm, env
 from sbp import random as sbp_random
+from sbp.boxing import box
 from sbp.boxing.executor import local_device
 from sbp.comm import agreement, stats
 from sbp.errors import InputTypeError, PlacementError, SbpError, SbpSignatureError
@@ -25,7 +26,7 @@ from sbp.local_to_global import unsupported_kind
 from sbp.placement import placement as Placement
 from sbp.ranges import learn_range
 from sbp.signature import broadcast, normalize_nd_sbp
-from sbp.tensor import GlobalTensor, box
+from sbp.tensor import GlobalTensor
 
 
 def manual_seed(seed: int) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from sbp import comm, env
+from sbp.boxing import box
 from sbp.comm import shm, stats
 
 BUCKET_BYTES = 25 * 2**20
@@ -80,17 +81,13 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
         _BUCKETS.add(grad, target.nd_sbp)
         return
-    from sbp.tensor import box
-
     grad._local, grad._spec = box(grad._local, grad._spec, target), target
 
 
 def _zero_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    from sbp.tensor import GlobalTensor
-
     spec = leaf._spec._replace(dtype=grad.dtype)
     local = torch.zeros(spec.local_shape(env.get_rank()), dtype=grad.dtype, device=grad.device)
-    leaf.grad = GlobalTensor(local, spec)
+    leaf.grad = type(leaf)(local, spec)  # (the leaf is a GlobalTensor: its gradient is one)
 
 
 def _accumulate_partially(leaf_ref: weakref.ref, new_grad: torch.Tensor) -> None:
@@ -106,8 +103,6 @@ def _accumulate_partially(leaf_ref: weakref.ref, new_grad: torch.Tensor) -> None
     if new_spec is None or spec is None or spec == new_spec:
         return
     if spec._replace(nd_sbp=new_spec.nd_sbp) == new_spec and _bucketable(new_spec, spec):
-        from sbp.tensor import box
-
         grad._local, grad._spec = box(grad._local, spec, new_spec), new_spec
 
 

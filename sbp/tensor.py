@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch._guards import TracingContext
 
-from sbp import boxing, env, gradients, stand_ins, trace
+from sbp import boxing, env, gradients, stand_ins, tensor_parts
+from sbp.boxing import box
 from sbp.comm import agreement, stats
 from sbp.counters import COUNTS
 from sbp.errors import (
@@ -373,24 +374,18 @@ class GlobalTensor(torch.Tensor):
     # ------------------------------------------------------------ checkpoints (issue 11)
     # DCP's checkpointable protocol (torch.distributed._checkpointable, as DTensor has it),
     # pickling for torch.save/torch.load, and copy_ from a plain tensor (load_state_dict).
-    # The logic is in sbp/checkpoint.py.
+    # The logic is in sbp/tensor_parts.py; the pickling's in sbp/checkpoint.py, given there.
     def __create_write_items__(self, fqn: str, object: Any) -> list:
-        from sbp import checkpoint
-
-        return checkpoint.write_items(self, fqn)
+        return tensor_parts.write_items(self, fqn)
 
     def __create_chunk_list__(self) -> list:
-        from sbp import checkpoint
-
-        return checkpoint.chunk_list(self)
+        return tensor_parts.chunk_list(self)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         return self._local
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        from sbp import checkpoint
-
-        return checkpoint.reduce_global_tensor(self)
+        return tensor_parts.pickled(self)
 
     def copy_(self, src: torch.Tensor, non_blocking: bool = False):
         """A plain `src` (a 0-dim one too) is the logical value, the same on every rank: each rank
@@ -423,10 +418,8 @@ class GlobalTensor(torch.Tensor):
                 local.copy_(other, non_blocking)
                 return _written_here(self)
         if isinstance(src, torch.Tensor) and not isinstance(src, GlobalTensor):
-            from sbp import checkpoint
-
             if not recorded:
-                return _written_here(checkpoint.copy_plain_value(self, src, non_blocking))
+                return _written_here(tensor_parts.copy_plain_value(self, src, non_blocking))
         return super().copy_(src, non_blocking)
 
 
@@ -529,17 +522,6 @@ def grad_nd_sbp(src: GlobalSpec, grad_sbp: Any) -> NdSbp:
     if grad_sbp is not None:
         return normalize_nd_sbp(grad_sbp, src.placement.ndim, len(src.shape))
     return partials_to_broadcast(src.nd_sbp)
-
-
-def box(local: torch.Tensor, src: GlobalSpec, dst: GlobalSpec) -> torch.Tensor:
-    """Run the cached plan from `src` to `dst` on this rank's local tensor."""
-    plan = boxing.plan_specs(src, dst)
-    if not stats.watching():
-        return boxing.execute(plan, local)
-    source, target = format_nd_sbp(src.nd_sbp), format_nd_sbp(dst.nd_sbp)
-    trace.check_conversion(source, target, plan.collectives)
-    with stats.converting(f"{source} -> {target}"):
-        return boxing.execute(plan, local)
 
 
 def _as_global_grad(grad: torch.Tensor, spec: GlobalSpec) -> GlobalTensor:

@@ -1,6 +1,7 @@
 """`nn.EmbeddingBag` of a 2-d batch on the data-parallel fast path
-(sbp.nn.torch_embedding_bag): each row is one bag, so the check takes `F.embedding_bag` as
-a whole and the model runs on local shards. Trained against one process, float64."""
+(sbp.data_parallel.families.embedding_bag): each row is one bag, so the check takes
+`F.embedding_bag` as a whole and the model runs on local shards. Trained against one
+process, float64."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""torch's multi-head attention on the data-parallel fast path (sbp.nn.torch_attention).
+"""torch's multi-head attention on the data-parallel fast path (sbp.data_parallel.families.attention).
 
 `nn.MultiheadAttention` merges the sequence with the split batch inside its forward, which
 op by op is a move; the check takes the call as a whole where its tensors are laid out as

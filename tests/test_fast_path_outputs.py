@@ -1,4 +1,4 @@
-"""Losses of the data-parallel fast path's outputs on local tensors (sbp.nn.outputs).
+"""Losses of the data-parallel fast path's outputs on local tensors (sbp.data_parallel.outputs).
 
 Every case computes the loss and the parameters' gradients in one process on the logical
 batch (float64) and compares; it also counts the global ops the loss ran op by op, which

@@ -1,5 +1,5 @@
 """torch's recurrent layers (`nn.LSTM`, `nn.GRU`, `nn.RNN`) on global tensors
-(sbp.nn.torch_recurrent).
+(sbp.nn.torch_recurrent, sbp.data_parallel.families.recurrent).
 
 Their forward (and their cells') makes a missing initial state as a local tensor; `module.to_global` gives
 them a global one. On the data-parallel fast path the check takes torch's recurrent call

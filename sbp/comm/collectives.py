@@ -496,3 +496,13 @@ def barrier(ranks: Ranks) -> None:
         _agree("barrier", t, ranks, nbytes=0)
         with guarded("barrier", ranks):
             dist.all_reduce(t, group=get_group(ranks))
+
+
+# the eager bodies of `sbp.comm.functional`'s ops (what a compiled graph runs)
+functional.bind(
+    all_reduce=all_reduce,
+    all_gather=all_gather,
+    reduce_scatter=reduce_scatter,
+    all_to_all=all_to_all,
+    broadcast=broadcast,
+)

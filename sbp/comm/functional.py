@@ -75,10 +75,15 @@ def _collective(schema: str, run: Callable, result: Callable) -> torch._ops.OpOv
     return getattr(torch.ops.sbp, name).default
 
 
-def _collectives():
-    from sbp.comm import collectives  # (it imports this module)
+# `sbp.comm.collectives`' wrappers by name, the ops' eager bodies: it imports this module
+# (to record its calls while tracing) and gives them here at its import (`bind`).
+_WRAPPERS: dict[str, Callable] = {}
 
-    return collectives
+
+def bind(**wrappers: Callable) -> None:
+    """Give the ops the wrappers their eager bodies call. `sbp.comm.collectives` does, at
+    its import; the `sbp.comm` package imports it first, so no op runs unbound."""
+    _WRAPPERS.update(wrappers)
 
 
 def _same(t: torch.Tensor, *_) -> torch.Tensor:
@@ -100,23 +105,21 @@ def _exchanged(t: torch.Tensor, output_splits: list, input_splits: list, ranks) 
 # `tensor` reduced over `ranks` with `op` (sum, max, min)
 all_reduce = _collective(
     "all_reduce(Tensor tensor, str op, int[] ranks) -> Tensor",
-    lambda t, op, ranks: _collectives().all_reduce(t.clone(), op, tuple(ranks)),
+    lambda t, op, ranks: _WRAPPERS["all_reduce"](t.clone(), op, tuple(ranks)),
     _same,
 )
 
 # every rank's `input`, flat, concatenated in the order of `ranks`
 all_gather = _collective(
     "all_gather(Tensor input, int[] ranks) -> Tensor",
-    lambda t, ranks: _collectives().all_gather(_gathered(t, ranks), t, tuple(ranks)),
+    lambda t, ranks: _WRAPPERS["all_gather"](_gathered(t, ranks), t, tuple(ranks)),
     _gathered,
 )
 
 # this rank's chunk (flat) of `input` (equal chunks along dim 0), reduced
 reduce_scatter = _collective(
     "reduce_scatter(Tensor input, str op, int[] ranks) -> Tensor",
-    lambda t, op, ranks: _collectives().reduce_scatter(
-        _scattered(t, op, ranks), t, op, tuple(ranks)
-    ),
+    lambda t, op, ranks: _WRAPPERS["reduce_scatter"](_scattered(t, op, ranks), t, op, tuple(ranks)),
     _scattered,
 )
 
@@ -124,7 +127,7 @@ reduce_scatter = _collective(
 all_to_all = _collective(
     "all_to_all(Tensor input, SymInt[] output_splits, SymInt[] input_splits, int[] ranks) "
     "-> Tensor",
-    lambda t, out_splits, in_splits, ranks: _collectives().all_to_all(
+    lambda t, out_splits, in_splits, ranks: _WRAPPERS["all_to_all"](
         _exchanged(t, out_splits, in_splits, ranks), t, out_splits, in_splits, tuple(ranks)
     ),
     _exchanged,
@@ -133,6 +136,6 @@ all_to_all = _collective(
 # global rank `src`'s `tensor` on every rank of `ranks`
 broadcast = _collective(
     "broadcast(Tensor tensor, int src, int[] ranks) -> Tensor",
-    lambda t, src, ranks: _collectives().broadcast(t.clone(), src, tuple(ranks)),
+    lambda t, src, ranks: _WRAPPERS["broadcast"](t.clone(), src, tuple(ranks)),
     _same,
 )

@@ -34,14 +34,23 @@ The modules, each importing only those listed after it (docs/design.md):
   local forward compiled;
 - `check`: the checking pass's judge of every op (`_Check`, `_WholeCalls`);
 - `local_run`: the local run's counters and mode (`_Run`, `_LocalOps`);
-- `families`: one module per op family with global semantics (BatchNorm, dropout,
-  losses, sdpa), each with its judge for the check and its local run;
+- `compiled_batch_norm`: logical BatchNorm inside a compiled local forward;
+- `families`: one module per op family with global semantics (attention, BatchNorm,
+  dropout, embedding bags, losses, recurrent layers, sdpa), each with its judge for the
+  check and its local run;
+- `batch_rows`, `outputs`: a whole call's results laid out as the batch; the outputs that
+  remember their local tensors (and the losses run on them);
+- `shard_batch_norm`: `batch_norm="local"` where the fast path does not run;
+- `row_wise_calls`, `recomputation`, `output_leaves`: library functions let through
+  unjudged; checkpointed forwards; a module output's leaves;
 - `reducer`: the gradient reducer; `buffers`: the per-shard running statistics' broadcast;
 - `slots`: parameter and buffer slots swapped for local tensors, undo of a trial run;
 - `inputs`, `layout`: a call's arguments walked once; what a check found per layout;
-- `by_name`: names of `torch.nn.functional` and module forwards replaced for a call;
+- `by_name`, `names_replaced`: names of `torch.nn.functional` and module forwards
+  replaced for a call, and the per-thread replacement under them;
 - `optim_step`: optimizer steps on the locals of broadcast parameters;
 - `waiting`: a summed gradient waiting, plain, for its parameter (`GlobalTensor._pending`).
 
-This package imports nothing itself: `sbp.nn.fast_path` re-exports the public names.
+This package imports nothing itself, and nothing of `sbp.nn`: `sbp.nn.fast_path`
+re-exports the public names.
 """

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 
-from sbp.data_parallel import torch_compile
+from sbp.data_parallel import compiled_batch_norm, shard_batch_norm, torch_compile
 from sbp.data_parallel.call import DataParallel
 from sbp.data_parallel.sharded.units import units_of
 from sbp.data_parallel.torch_compile import _leaving_backend, _set_eval_frame, _skip_frame, _traced
 from sbp.data_parallel.waiting import drop_waiting
 from sbp.errors import InputTypeError, InputValueError, PlacementError
-from sbp.nn import compiled_batch_norm, shard_batch_norm
 from sbp.placement import placement as Placement
 
 ATTR = "_sbp_data_parallel"

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sbp.nn.names_replaced import NamesReplaced
+from sbp.data_parallel.names_replaced import NamesReplaced
 
 BATCH_NORMS = torch.nn.modules.batchnorm._BatchNorm
 SPECIAL_MODULES = (BATCH_NORMS, torch.nn.modules.dropout._DropoutNd)

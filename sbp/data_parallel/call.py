@@ -15,7 +15,14 @@ import torch
 from sbp import comm, env, gradients, local_constants, stand_ins
 from sbp.comm import arrival
 from sbp.counters import COUNTS
-from sbp.data_parallel import torch_compile
+from sbp.data_parallel import (
+    compiled_batch_norm,
+    outputs,
+    recomputation,
+    row_wise_calls,
+    shard_batch_norm,
+    torch_compile,
+)
 from sbp.data_parallel.buffers import BufferBroadcast
 from sbp.data_parallel.by_name import (
     BATCH_NORMS,
@@ -28,13 +35,12 @@ from sbp.data_parallel.check import _called_by_name, _Check, _Depth, _WholeCalls
 from sbp.data_parallel.inputs import _PLAIN_VALUES, Inputs, _numbers_blanked
 from sbp.data_parallel.layout import Layout, _share_spec
 from sbp.data_parallel.local_run import _local_forward, _LocalOps, _Run
+from sbp.data_parallel.output_leaves import output_leaves
 from sbp.data_parallel.reducer import Reducer
 from sbp.data_parallel.sharded.state import Sharding
 from sbp.data_parallel.slots import _EnterLocal, _Slots, _Undo
 from sbp.errors import CommTimeoutError, IndexRangeError, LabelRangeError, MetaMismatchError
 from sbp.layout import GlobalSpec
-from sbp.nn import compiled_batch_norm, outputs, recomputation, row_wise_calls, shard_batch_norm
-from sbp.nn.output_leaves import output_leaves
 from sbp.ops import batch_norm, registry
 from sbp.placement import placement as Placement
 from sbp.signature import broadcast, split, splits_to_partials
@@ -129,7 +135,7 @@ class DataParallel:
         self._compile_declined = False  # warned that a call runs eagerly
         self.backend: int | None = None  # its last compiled call's, in _COMPILE_BACKENDS
         self.number = next(_NUMBERS)  # what a trace of its call is guarded on
-        # outputs are `sbp.nn.outputs.FastPathOutput`s (their losses run on local tensors)
+        # outputs are `outputs.FastPathOutput`s (their losses run on local tensors)
         # until one is passed to a compiled function
         self.twins = True
         stand_ins.OWNERS.add(self)  # (a backward's inputs=[parameters]: local_leaves)

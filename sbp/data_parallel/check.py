@@ -12,10 +12,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from sbp.data_parallel import families
+from sbp.data_parallel.batch_rows import moved_to
 from sbp.data_parallel.by_name import _ATTENTION, _DROPOUT, _unrouted
 from sbp.data_parallel.inputs import _all_of
 from sbp.layout import GlobalSpec
-from sbp.nn.batch_rows import moved_to
 from sbp.ops import registry
 from sbp.ops.basic import like, new_alloc, same_layout
 from sbp.ops.conversions import to_copy

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sbp.data_parallel import families
+from sbp.data_parallel import families, shard_batch_norm
 from sbp.data_parallel.by_name import (
     BATCH_NORMS,
     _by_name_replaced,
@@ -16,7 +16,6 @@ from sbp.data_parallel.by_name import (
     _within,
 )
 from sbp.data_parallel.layout import Layout
-from sbp.nn import shard_batch_norm
 
 if TYPE_CHECKING:
     from sbp.data_parallel.call import DataParallel

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sbp import env
+from sbp.data_parallel import compiled_batch_norm, shard_batch_norm
 from sbp.data_parallel.by_name import BATCH_NORMS
-from sbp.nn import compiled_batch_norm, shard_batch_norm
 
 if TYPE_CHECKING:
     from sbp.data_parallel.call import DataParallel

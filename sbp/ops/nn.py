@@ -428,10 +428,32 @@ def shard_seed(placement, nd_sbp: tuple) -> int:
     return draw_seed(tuple(c if s.is_split else 0 for c, s in zip(coord, nd_sbp, strict=True)))
 
 
-def _generator(spec: GlobalSpec, device) -> torch.Generator:
+def shard_generator(placement, nd_sbp: tuple, device) -> torch.Generator:
+    """A generator on `device` seeded by `shard_seed` (one seed taken from sbp's stream):
+    what the random ops' rules draw from, and the fast path's local dropout."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(shard_seed(spec.placement, spec.nd_sbp))
+    gen.manual_seed(shard_seed(placement, nd_sbp))
     return gen
+
+
+def kept(like: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+    """Dropout's draws shaped as `like`: 1 where kept (probability 1 - p), else 0, as
+    `native_dropout` draws its mask (and torch's dropout on the CPU its noise)."""
+    return torch.empty_like(like).bernoulli_(1 - p, generator=gen)
+
+
+def dropout_mask(like: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+    """`native_dropout`'s mask: `kept` as booleans."""
+    return kept(like, p, gen).to(torch.bool)
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """`native_dropout`'s output (p < 1): the kept values, scaled by 1 / (1 - p)."""
+    return x * mask * (1.0 / (1 - p))
+
+
+def _generator(spec: GlobalSpec, device) -> torch.Generator:
+    return shard_generator(spec.placement, spec.nd_sbp, device)
 
 
 @register(aten.bernoulli_.float)
@@ -455,8 +477,8 @@ def native_dropout(func, args, kwargs):
             torch.ones_like(x._local, dtype=torch.bool), x._spec._replace(dtype=torch.bool)
         )
     gen = _generator(x._spec, x._local.device)
-    mask = torch.empty_like(x._local).bernoulli_(1 - p, generator=gen).to(torch.bool)
-    out = x._local * mask * (1.0 / (1 - p)) if p < 1 else torch.zeros_like(x._local)
+    mask = dropout_mask(x._local, p, gen)
+    out = masked(x._local, mask, p) if p < 1 else torch.zeros_like(x._local)
     return GlobalTensor(out, x._spec), GlobalTensor(mask, x._spec._replace(dtype=torch.bool))
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sbp import env
-from sbp.boxing import plan_specs
+from sbp.boxing import box, plan_specs
 from sbp.boxing.executor import empty_local, local_device
 from sbp.comm import functional, stats
 from sbp.errors import IndexRangeError
@@ -42,7 +42,7 @@ from sbp.ops.meta import NoMeta, outputs, outside_ranks_learn
 from sbp.ops.writes import assign, is_inplace, is_view, mark_view, written
 from sbp.ranges import known_range, written_args
 from sbp.signature import SBP, broadcast, partial_sum, partials_to_broadcast, split
-from sbp.tensor import GlobalTensor, box
+from sbp.tensor import GlobalTensor
 
 CACHE_SIZE = 8192
 

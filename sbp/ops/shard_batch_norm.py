@@ -4,7 +4,7 @@ statistics, which is what torch DDP computes without SyncBatchNorm.
 `sbp.nn.data_parallel(model, batch_norm="local")` asks for it. The fast path runs
 it on local tensors itself; a module that runs op by op, or one that
 `torch.compile` traces, needs it as an op on global tensors instead, so the
-BatchNorm modules of such a model call `sbp::shard_batch_norm` (`sbp.nn.shard_batch_norm`).
+BatchNorm modules of such a model call `sbp::shard_batch_norm` (`sbp.data_parallel.shard_batch_norm`).
 As a custom op it is one node in a Dynamo graph, and its rule below runs torch's
 native kernels on the local tensors (under AOT autograd too), with no collective:
 - forward: the output is laid out as the input; the batch statistics, which differ

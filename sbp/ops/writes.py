@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from sbp import env
+from sbp.boxing import box
 from sbp.comm.functional import tracing
 from sbp.errors import SbpSignatureError
 from sbp.ranges import COPIED_VIEWS, forget_range, global_writes
-from sbp.tensor import GlobalTensor, box
+from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
 

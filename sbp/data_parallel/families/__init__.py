@@ -13,21 +13,27 @@ A family module provides any of:
   semantics (a `_Run` is `run`: the layout it follows, its counters);
 - `CALLS`, `why_not_row_wise(args, kwargs, data_nd)`, `run_whole(func, args, kwargs,
   data_nd)`: torch functions row-wise in the batch, taken whole by the check where their
-  tensors are laid out as the batch (`sbp.nn.torch_attention`, `torch_recurrent`,
-  `torch_embedding_bag`).
+  tensors are laid out as the batch (`attention`, `recurrent`, `embedding_bag`).
 """
 
-from sbp.data_parallel.families import batch_norm, dropout, losses, sdpa
-from sbp.nn import torch_attention, torch_embedding_bag, torch_recurrent
+from sbp.data_parallel.families import (
+    attention,
+    batch_norm,
+    dropout,
+    embedding_bag,
+    losses,
+    recurrent,
+    sdpa,
+)
 
 FAMILIES = (
     batch_norm,
     dropout,
     losses,
     sdpa,
-    torch_attention,
-    torch_recurrent,
-    torch_embedding_bag,
+    attention,
+    recurrent,
+    embedding_bag,
 )
 
 

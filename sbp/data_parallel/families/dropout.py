@@ -1,13 +1,14 @@
-"""Dropout on the data-parallel path: the local run draws the op-by-op path's masks, from
-a generator seeded as the rules of `aten.native_dropout` and `aten.bernoulli_` seed theirs
-(`sbp.ops.nn.shard_seed`: keyed by this rank's coordinates on the split hierarchy dims)."""
+"""Dropout on the data-parallel path: the local run draws the op-by-op path's masks with
+the rules' own arithmetic (`sbp.ops.nn`: `shard_generator`, seeded as the rules of
+`aten.native_dropout` and `aten.bernoulli_` seed theirs, keyed by this rank's coordinates
+on the split hierarchy dims; `kept`, `dropout_mask`, `masked`)."""
 
 from __future__ import annotations
 
 import torch
 
 from sbp.data_parallel.by_name import _DROPOUT
-from sbp.ops.nn import shard_seed
+from sbp.ops.nn import dropout_mask, kept, masked, shard_generator
 from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
@@ -51,13 +52,12 @@ def local(run, input, p=0.5, training=True, inplace=False):
         return _DROPOUT(input, p, training, inplace)
     if p == 1:
         return input.mul_(0) if inplace else torch.zeros_like(input)
-    gen = torch.Generator(device=input.device)
-    gen.manual_seed(shard_seed(run.fast.placement, run.data_nd))
+    gen = shard_generator(run.fast.placement, run.data_nd, input.device)
     run.dropouts += 1
     if input.device.type == "cpu":  # what aten.dropout runs on CPU (bernoulli_ rule)
-        noise = torch.empty_like(input).bernoulli_(1 - p, generator=gen).div_(1 - p)
+        noise = kept(input, p, gen).div_(1 - p)
         return input.mul_(noise) if inplace else input * noise
-    mask = torch.empty_like(input).bernoulli_(1 - p, generator=gen).to(torch.bool)
+    mask = dropout_mask(input, p, gen)
     if inplace:  # the fused kernel elsewhere (native_dropout rule)
         return input.mul_(mask).mul_(1.0 / (1 - p))
-    return input * mask * (1.0 / (1 - p))
+    return masked(input, mask, p)

@@ -1,7 +1,7 @@
 """Cross-entropy and NLL losses of the batch inside a data-parallel module's forward: the
 local run computes the mean over the logical batch as the op-by-op rule does (this rank's
 sum over the batch's total weight, summed over the ranks in one small all-reduce), with
-the rule's layout (`sbp.ops.nn.nll_layout`) and total weight (`sbp.nn.outputs`)."""
+the rule's layout (`sbp.ops.nn.nll_layout`) and total weight (`sbp.data_parallel.outputs`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from torch.nn import _reduction
 
 from sbp import comm
+from sbp.data_parallel import outputs
 from sbp.data_parallel.by_name import _LOSSES
 from sbp.errors import LabelRangeError
-from sbp.nn import outputs
 from sbp.ops.nn import nll_layout
 
 aten = torch.ops.aten

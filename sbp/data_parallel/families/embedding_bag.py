@@ -1,5 +1,5 @@
 """torch's `F.embedding_bag` (`nn.EmbeddingBag`) of a 2-d batch in the data-parallel check
-(sbp.data_parallel).
+(an op family of `sbp.data_parallel.families`).
 
 Each row of a 2-d input is one bag, reduced to one output row from that row alone, so the
 call is row-wise in the batch. Op by op, though, it flattens the batch and makes its
@@ -18,7 +18,7 @@ import inspect
 
 import torch.nn.functional as F
 
-from sbp.nn.batch_rows import rows_as_global
+from sbp.data_parallel.batch_rows import rows_as_global
 from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sbp.nn import shard_batch_norm
+from sbp.data_parallel import shard_batch_norm
 from sbp.ops import batch_norm
 from sbp.tensor import GlobalTensor
 

@@ -1,5 +1,5 @@
-"""How a call the data-parallel check takes whole (sbp.nn.torch_attention, torch_recurrent,
-torch_embedding_bag) lays its results out as the batch: the batch's layout moved to the
+"""How a call the data-parallel check takes whole (`families.attention`,
+`recurrent`, `embedding_bag`) lays its results out as the batch: the batch's layout moved to the
 dim a tensor holds its samples on, and this rank's rows of a result as a global tensor."""
 
 from __future__ import annotations

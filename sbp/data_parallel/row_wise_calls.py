@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from sbp.nn.names_replaced import NamesReplaced
+from sbp.data_parallel.names_replaced import NamesReplaced
 from sbp.ops import registry
 from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sbp.data_parallel.batch_rows import moved_to
 from sbp.layout import GlobalSpec
-from sbp.nn.batch_rows import moved_to
 from sbp.signature import is_all_broadcast
 from sbp.tensor import GlobalTensor
 
