@@ -141,23 +141,23 @@ def flush() -> None:
         (g, done) for g, done in ((r(), done) for r, done in _pending.values()) if g is not None
     ]
     _pending.clear()
-    # One bucket sequence per (placement, dims reduced, dtype, device): gradients of other
-    # layouts along the dims kept (a tensor-parallel split) share the data-parallel
-    # all-reduce, which sums each element with its replicas alone.
+    # One bucket sequence per (placement, hierarchy dim reduced, dtype, device): gradients
+    # of other layouts along the dims kept (a tensor-parallel split) share the
+    # data-parallel all-reduce, which sums each element with its replicas alone; and a
+    # gradient partial along two dims (a LayerNorm's weights' under DP x TP) joins the
+    # buckets of each, not buckets of its own (sums over distinct dims compose in any order).
     groups: dict = {}
-    target: dict = {}
     for g, done in grads:
-        dims = tuple(h for h, (s, t) in enumerate(zip(g._spec.nd_sbp, done, strict=True)) if s != t)
-        key = (g._spec.placement, dims, g.dtype, g._local.device)
-        groups.setdefault(key, []).append(g)
-        target[id(g)] = done
+        for h, (s, t) in enumerate(zip(g._spec.nd_sbp, done, strict=True)):
+            if s != t:
+                groups.setdefault((g._spec.placement, h, g.dtype, g._local.device), []).append(g)
     me = env.get_rank()
-    for (placement, dims, _, _), members in groups.items():
-        for bucket in _buckets(members):
-            if me in placement:
-                _all_reduce_bucket(bucket, [placement.group_ranks(me, h) for h in dims])
-            for g in bucket:
-                g._spec = g._spec._replace(nd_sbp=target[id(g)])
+    for (placement, h, _, _), members in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        if me in placement:
+            for bucket in _buckets(members):
+                _all_reduce_bucket(bucket, placement.group_ranks(me, h))
+    for g, done in grads:
+        g._spec = g._spec._replace(nd_sbp=done)
 
 
 def _buckets(members: list) -> list[list]:
@@ -174,11 +174,10 @@ def _buckets(members: list) -> list[list]:
     return out
 
 
-def _all_reduce_bucket(bucket: list, groups: list[tuple[int, ...]]) -> None:
+def _all_reduce_bucket(bucket: list, ranks: tuple[int, ...]) -> None:
     flat = torch.cat([g._local.reshape(-1) for g in bucket])
     with stats.noted(BUCKETS, implicit=False, phase="backward"):
-        for ranks in groups:
-            comm.all_reduce(flat, "sum", ranks)
+        comm.all_reduce(flat, "sum", ranks)
     offset = 0
     for g in bucket:
         n = g._local.numel()
