@@ -104,7 +104,7 @@ def gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tupl
 
 def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
     """In backward, where a candidate carries an input's partial sum through (on a hierarchy
-    dim where it takes an input partial), the plans that make its partial outputs whole
+    dim where it takes an input that is partial as it is), the plans that make its partial outputs whole
     there: a gradient is, as a rule, needed whole later (see `gathered_again`), and a
     weight's is reduced in the buckets. Carried free, a partial went on to ops that
     resolved it worse (gathering activations instead), or spread to more outputs than it
@@ -115,7 +115,12 @@ def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple
     same plan (a smaller reduction of a slice is no saving). Partial outputs made from
     splits (a contraction over a split dim) are left out: there the planner already prices
     the alternative, gathering."""
-    dims = {h for r in req for h, s in enumerate(r.nd_sbp) if s.is_partial}
+    dims = {
+        h
+        for s, r in zip(specs, req, strict=True)
+        for h, (a, b) in enumerate(zip(s.nd_sbp, r.nd_sbp, strict=True))
+        if a.is_partial and b.is_partial
+    }  # (not a split boxed to a partial here: that is a split in disguise, `mark_padded`)
     if not dims:
         return []
     P = req[0].placement
