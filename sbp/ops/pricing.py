@@ -103,9 +103,9 @@ def gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tupl
 
 
 def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
-    """In backward, where a candidate carries an input's partial sum through (on a hierarchy
-    dim where it takes an input that is partial as it is), the plans that make its partial outputs whole
-    there: a gradient is, as a rule, needed whole later (see `gathered_again`), and a
+    """In backward, where an input is a partial sum along a hierarchy dim (a candidate
+    carries it through, or resolves it), the plans that make the candidate's partial
+    outputs whole along that dim: a gradient is, as a rule, needed whole later (see `gathered_again`), and a
     weight's is reduced in the buckets. Carried free, a partial went on to ops that
     resolved it worse (gathering activations instead), or spread to more outputs than it
     came in with (a LayerNorm's backward: its input's gradient and both weights'); priced,
@@ -113,14 +113,12 @@ def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple
     LayerNorm, whose input needs no gradient: only its weights' gradients). A split this
     candidate makes by slicing, on a dim where no input is split, is gathered back in the
     same plan (a smaller reduction of a slice is no saving). Partial outputs made from
-    splits (a contraction over a split dim) are left out: there the planner already prices
-    the alternative, gathering."""
-    dims = {
-        h
-        for s, r in zip(specs, req, strict=True)
-        for h, (a, b) in enumerate(zip(s.nd_sbp, r.nd_sbp, strict=True))
-        if a.is_partial and b.is_partial
-    }  # (not a split boxed to a partial here: that is a split in disguise, `mark_padded`)
+    splits alone (a contraction over a split dim) are left out: there the planner already
+    prices the alternative, gathering."""
+    # (an input partial as it is, carried or resolved here: resolved into a split and made
+    # partial again by the op, it would be reduced twice; not a split boxed to a partial
+    # here, which is a split in disguise, `mark_padded`)
+    dims = {h for s in specs for h, a in enumerate(s.nd_sbp) if a.is_partial}
     if not dims:
         return []
     P = req[0].placement
