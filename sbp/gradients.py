@@ -77,7 +77,7 @@ def post_accumulate_hook(leaf: torch.Tensor) -> None:
         if not getattr(leaf, "_sbp_accumulates", False):
             leaf._sbp_accumulates = True
             leaf.register_hook(functools.partial(_accumulate_partially, weakref.ref(leaf)))
-        if not _BUCKETS.open and not _BUCKETS.started:
+        if not _BUCKETS.done:
             torch.autograd.Variable._execution_engine.queue_callback(flush)
         _BUCKETS.add(grad, target.nd_sbp)
         return
@@ -114,73 +114,95 @@ def _bucketable(spec, target) -> bool:
 
 
 class _Buckets:
-    """This backward's partial gradients, in buckets of `BUCKET_BYTES` per layout: a bucket
-    is filled in arrival order (the same on every rank) and started as soon as it is full;
-    `flush` starts the rest and waits for them all, in the order they were started."""
+    """This backward's partial gradients, in buckets of `BUCKET_BYTES` per hierarchy dim
+    they are summed along, filled in arrival order (the same on every rank). A gradient
+    of other layouts along the dims kept (a tensor-parallel split) shares the
+    data-parallel all-reduce, which sums each element with its replicas alone; one partial
+    along two dims (a LayerNorm's weights under DP x TP) joins the buckets of each, not
+    buckets of its own. A bucket of gradients partial along its dim alone starts as soon
+    as it is full, while backward goes on; the rest wait for `flush`, which reduces the
+    buckets holding a gradient of several dims one dim after the other (sums over
+    distinct dims compose, each on what the dims before it made)."""
 
     def __init__(self) -> None:
-        self.open: dict = {}  # layout key -> [bytes, [(weak reference, target nd_sbp)]]
-        self.started: list = []  # (members, flat or None, pending reductions)
-        self.seen: dict = {}  # id -> weak reference: the gradients bucketed in this backward
+        self.open: dict = {}  # (placement, dim, dtype, device) -> [bytes, [weak ref], several]
+        self.started: list = []  # (gradients, flat, pending all-reduce or None)
+        self.later: list = []  # (key, gradients): buckets holding a gradient of several dims
+        self.done: dict = {}  # id -> (weak reference, target nd_sbp): this backward's
 
     def add(self, grad: torch.Tensor, done: tuple) -> None:
-        known = self.seen.get(id(grad))
-        if known is not None and known() is grad:
+        known = self.done.get(id(grad))
+        if known is not None and known[0]() is grad:
             return  # (a gradient met twice in one backward is reduced once; an id freed
             # by a dead gradient may be reused, by a new one, which joins)
-        self.seen[id(grad)] = weakref.ref(grad)
+        self.done[id(grad)] = (weakref.ref(grad), done)
         spec = grad._spec
-        dims = tuple(h for h, (s, t) in enumerate(zip(spec.nd_sbp, done, strict=True)) if s != t)
-        key = (spec.placement, dims, grad.dtype, grad._local.device)
-        entry = self.open.setdefault(key, [0, []])
+        dims = [h for h, (s, t) in enumerate(zip(spec.nd_sbp, done, strict=True)) if s != t]
         nbytes = grad._local.numel() * grad._local.element_size()
-        if entry[1] and entry[0] + nbytes > BUCKET_BYTES:
-            self._start(key, entry[1], overlap=True)
-            entry[0], entry[1] = 0, []
-        entry[0] += nbytes
-        entry[1].append((weakref.ref(grad), done))
+        for h in dims:
+            key = (spec.placement, h, grad.dtype, grad._local.device)
+            entry = self.open.setdefault(key, [0, [], False])
+            if entry[1] and entry[0] + nbytes > BUCKET_BYTES:
+                self._close(key, entry, overlap=True)
+                entry[:] = [0, [], False]
+            entry[0] += nbytes
+            entry[1].append(weakref.ref(grad))
+            entry[2] = entry[2] or len(dims) > 1
 
-    def _start(self, key: tuple, members: list, overlap: bool = False) -> None:
-        """Start one bucket's all-reduce: asynchronously while backward goes on (`overlap`)
-        where it sums along one hierarchy dim (a data-parallel dim: DP x TP); else in
-        `flush`, at once (through shared memory on one host) and one dim after the other."""
-        placement, dims = key[0], key[1]
-        grads = [(g, done) for g, done in ((r(), done) for r, done in members) if g is not None]
+    def _close(self, key: tuple, entry: list, overlap: bool) -> None:
+        grads = [g for g in (r() for r in entry[1]) if g is not None]
+        if entry[2]:
+            self.later.append((key, grads))
+        elif grads:
+            self.started.append((grads, *self._start(key, grads, overlap)))
+
+    @staticmethod
+    def _start(key: tuple, grads: list, overlap: bool) -> tuple:
+        """(flat, pending) of one bucket's all-reduce over the ranks of its dim: started
+        asynchronously while backward goes on (`overlap`), else at once (through shared
+        memory on one host); (None, None) on a rank outside the placement."""
+        placement, h = key[0], key[1]
         me = env.get_rank()
-        if not grads or me not in placement:
-            self.started.append((grads, None, []))
-            return
-        flat = torch.cat([g._local.reshape(-1) for g, _ in grads])
-        groups = [placement.group_ranks(me, h) for h in dims]
-        pending = []
-        if overlap and len(groups) == 1:
-            with stats.noted(BUCKETS, implicit=False, phase="backward"):
-                pending.append(comm.all_reduce_async(flat, "sum", groups[0]))
-        self.started.append((grads, flat, pending or groups))
+        if me not in placement:
+            return None, None
+        flat = torch.cat([g._local.reshape(-1) for g in grads])
+        ranks = placement.group_ranks(me, h)
+        with stats.noted(BUCKETS, implicit=False, phase="backward"):
+            if overlap:
+                return flat, comm.all_reduce_async(flat, "sum", ranks)
+            comm.all_reduce(flat, "sum", ranks)
+        return flat, None
 
     def flush(self) -> None:
-        for key, (_, members) in self.open.items():
-            if members:
-                self._start(key, members)
-        started, self.started, self.open, self.seen = self.started, [], {}, {}
+        for key, entry in self.open.items():
+            if entry[1]:
+                self._close(key, entry, overlap=False)
+        started, later, done = self.started, self.later, self.done
+        self.drop()
         for grads, flat, pending in started:
-            if flat is not None:
-                for p in pending:
-                    if isinstance(p, tuple):  # (ranks: a dim reduced now, after the others)
-                        with stats.noted(BUCKETS, implicit=False, phase="backward"):
-                            comm.all_reduce(flat, "sum", p)
-                    else:
-                        p.wait()
-                offset = 0
-                for g, _ in grads:
-                    n = g._local.numel()
-                    g._local = flat[offset : offset + n].view(g._local.shape)
-                    offset += n
-            for g, done in grads:
-                g._spec = g._spec._replace(nd_sbp=done)
+            if pending is not None:
+                pending.wait()
+            _write_back(grads, flat)
+        for key, grads in sorted(later, key=lambda kg: kg[0][1]):  # (stable: arrival order)
+            _write_back(grads, self._start(key, grads, overlap=False)[0])
+        for ref, target in done.values():
+            g = ref()
+            if g is not None:
+                g._spec = g._spec._replace(nd_sbp=target)
 
     def drop(self) -> None:
-        self.open, self.started, self.seen = {}, [], {}
+        self.open, self.started, self.later, self.done = {}, [], [], {}
+
+
+def _write_back(grads: list, flat: torch.Tensor | None) -> None:
+    """Each gradient's local tensor becomes its part of the reduced `flat` (a view)."""
+    if flat is None:
+        return
+    offset = 0
+    for g in grads:
+        n = g._local.numel()
+        g._local = flat[offset : offset + n].view(g._local.shape)
+        offset += n
 
 
 _BUCKETS = _Buckets()

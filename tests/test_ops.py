@@ -751,8 +751,10 @@ def test_losses_and_activations_keep_a_batch_split(pool2, name):
 
 
 def _position_embedding():
-    """GPT-2's position embedding: ids broadcast, added to a split batch; the table's
-    gradient is then a partial sum, and its embedding backward keeps it partial."""
+    """GPT-2's position embedding: ids broadcast, added to a split batch; the positions'
+    gradient is then a partial sum. Reduced there (3 x 4), not as the table's gradient
+    (5 x 4, what the embedding backward would carry partial into the buckets): fewer bytes,
+    the same count (docs/design.md, "Data flow of one op")."""
     P_ = sbp.placement("cpu", [0, 1])
     x, table = _inputs(Row([(8, 3, 4), (5, 4)], None, []), 9)
     gx = sbp.tensor(x, P_, (S0,)).requires_grad_()
@@ -773,7 +775,7 @@ def _position_embedding():
 def test_position_embedding_gradient_stays_partial(pool2):
     for close, kinds in pool2.run(_position_embedding):
         assert close == [True, True]
-        assert kinds == {"all_reduce": 1}, kinds  # the table's gradient into its .grad, as DDP
+        assert kinds == {"all_reduce": 1}, kinds  # the positions' gradient, before the lookup
 
 
 WORLD2_CASES = [(name, tuple((s,) for s in row.sbps[0]), [1, 0]) for name, row in ROWS.items()]

@@ -357,6 +357,10 @@ def layer_norm_backward(call: Call) -> list[Strategy]:
         cands.append(
             Strategy(by_position(call, {0: s, 1: s, 3: s, 4: s}), _present(call, (s, P, P)))
         )
+    # Linear in the incoming gradient (input, mean, rstd and weight whole): a partial sum
+    # goes through, and is resolved where a consumer needs it whole (or, for the weights'
+    # gradients, in the buckets), not here for want of a candidate (issue 51).
+    cands.append(Strategy(by_position(call, {0: P}), _present(call, (P, P, P))))
     return cands
 
 

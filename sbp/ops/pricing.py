@@ -1,11 +1,13 @@
 """What a candidate costs later: the guesses that let propagation resolve a partial sum once,
 where it pays (docs/design.md, "Data flow of one op").
 
-The boxing planner prices the conversions a candidate needs now. Two more are priced here:
-the conversion an input's gradient will need on the way back (`gradient_plan`), and in
+The boxing planner prices the conversions a candidate needs now. Three more are priced
+here: the conversion an input's gradient will need on the way back (`gradient_plan`); in
 backward, gathering again what a candidate leaves split after resolving a partial sum
-into a split (`gathered_again`). Both take a partial sum for a sum needed whole, which a
-split in disguise is not: those are tracked (`mark_padded`) and left out.
+(`gathered_again`); and in backward, reducing the partial outputs of a candidate that
+carries a partial sum through (`reduced_later`), which the choice weighs as much as what
+moves now (a tie goes to moving less now). All take a partial sum for a sum needed whole,
+which a split in disguise is not: those are tracked (`mark_padded`) and left out.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def gradient_plan(src: GlobalSpec, req: GlobalSpec) -> Any:
 
 def gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
     """Where a candidate in backward resolves an input's partial sum into a split (a
-    reduce-scatter, cheaper than an all-reduce at this op), the plans that gather its
+    reduce-scatter, cheaper than an all-reduce at this op), or resolves one beside a split
+    it makes by slicing (on a dim where no input is split), the plans that gather its
     outputs split there back to whole: a gradient that is a sum of the ranks' parts flows
     on to the gradients of whole forward values (the residual stream of a
     tensor-parallel block), and the split would only move the other half of the
@@ -72,15 +75,19 @@ def gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tupl
     one collective, not two. Forward needs no such guess: the gradient's own conversion
     is priced (`gradient_plan`), and a partial there may be a split in disguise (a view
     merging a split dim into an outer one), which a data-parallel batch keeps split."""
-    dims = {
-        h
+    pairs = [
+        (h, a, b)
         for s, r in zip(specs, req, strict=True)
         for h, (a, b) in enumerate(zip(s.nd_sbp, r.nd_sbp, strict=True))
-        if a.is_partial and b.is_split
-    }
+    ]
+    dims = {h for h, a, b in pairs if a.is_partial and b.is_split}
+    P = specs[0].placement
+    if any(a.is_partial and not b.is_partial for _, a, b in pairs):
+        # (resolved to broadcast beside a split the candidate makes by slicing, on a dim
+        # where no input is split: the resolved half is gathered back there too)
+        dims |= {h for h in range(P.ndim) if not any(s.nd_sbp[h].is_split for s in specs)}
     if not dims:
         return []
-    P = specs[0].placement
     plans, k = [], 0
     for m in metas:
         if m is None:
@@ -89,6 +96,46 @@ def gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tupl
         k += 1
         if any(nd[h].is_split for h in dims):
             whole = tuple(broadcast if h in dims and s.is_split else s for h, s in enumerate(nd))
+            plans.append(
+                plan_specs(GlobalSpec(P, nd, m[0], m[1]), GlobalSpec(P, whole, m[0], m[1]))
+            )
+    return plans
+
+
+def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
+    """In backward, where an input is a partial sum along a hierarchy dim (a candidate
+    carries it through, or resolves it), the plans that make the candidate's partial
+    outputs whole along that dim: a gradient is, as a rule, needed whole later (see `gathered_again`), and a
+    weight's is reduced in the buckets. Carried free, a partial went on to ops that
+    resolved it worse (gathering activations instead), or spread to more outputs than it
+    came in with (a LayerNorm's backward: its input's gradient and both weights'); priced,
+    it goes through only where its outputs cost less to reduce than its input (the first
+    LayerNorm, whose input needs no gradient: only its weights' gradients). A split this
+    candidate makes by slicing, on a dim where no input is split, is gathered back in the
+    same plan (a smaller reduction of a slice is no saving). Partial outputs made from
+    splits alone (a contraction over a split dim) are left out: there the planner already
+    prices the alternative, gathering."""
+    # (an input partial as it is, carried or resolved here: resolved into a split and made
+    # partial again by the op, it would be reduced twice; not a split boxed to a partial
+    # here, which is a split in disguise, `mark_padded`)
+    dims = {h for s in specs for h, a in enumerate(s.nd_sbp) if a.is_partial}
+    if not dims:
+        return []
+    P = req[0].placement
+    sliced = {
+        h for h in range(P.ndim) if h not in dims and not any(s.nd_sbp[h].is_split for s in specs)
+    }
+    plans, k = [], 0
+    for m in metas:
+        if m is None:
+            continue
+        nd = tuple(c.outputs[k] for c in combo)
+        k += 1
+        if any(nd[h].is_partial for h in dims):
+            whole = tuple(
+                broadcast if (h in dims and s.is_partial) or (h in sliced and s.is_split) else s
+                for h, s in enumerate(nd)
+            )
             plans.append(
                 plan_specs(GlobalSpec(P, nd, m[0], m[1]), GlobalSpec(P, whole, m[0], m[1]))
             )

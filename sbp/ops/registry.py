@@ -473,8 +473,9 @@ def _decide(
     grads: Sequence[bool],
     padded: bool = False,
 ) -> Decision:
-    """The cheapest candidate: the conversions its inputs need, and for the inputs that
-    require grad, the conversions their gradients will need on the way back."""
+    """The cheapest candidate: the conversions its inputs need, for the inputs that
+    require grad, the conversions their gradients will need on the way back, and in
+    backward, the later reductions of the partial outputs it carries (`sbp.ops.pricing`)."""
     metas, tree = _outputs_on_meta(func, args, kwargs)
     call = Call(func, args, kwargs, specs, metas)
     candidates = [c for c in rule.candidates(call) if _sums_stay_sums(c, specs, metas)]
@@ -492,9 +493,12 @@ def _decide(
             for s, r, g in zip(specs, req, grads, strict=True)
             if g and not padded and s != r and (p := pricing.gradient_plan(s, r)) is not None
         ]
+        later = []
         if backward and not padded:
             plans += pricing.gathered_again(specs, req, metas, combo)
-        cost = (sum(p.cost for p in plans), sum(len(p.steps) for p in plans))
+            later = pricing.reduced_later(specs, req, metas, combo)
+        now = sum(p.cost for p in plans)  # (a tie in all goes to less now, as before)
+        cost = (now + sum(p.cost for p in later), now, sum(len(p.steps) for p in plans))
         if best_cost is None or cost < best_cost:
             best, best_cost = (combo, req), cost
     if best is None:
