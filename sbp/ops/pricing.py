@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from sbp.boxing import plan_specs
@@ -88,18 +89,16 @@ def gathered_again(specs: list[GlobalSpec], req: tuple, metas: list, combo: tupl
         dims |= {h for h in range(P.ndim) if not any(s.nd_sbp[h].is_split for s in specs)}
     if not dims:
         return []
-    plans, k = [], 0
-    for m in metas:
-        if m is None:
-            continue
-        nd = tuple(c.outputs[k] for c in combo)
-        k += 1
-        if any(nd[h].is_split for h in dims):
-            whole = tuple(broadcast if h in dims and s.is_split else s for h, s in enumerate(nd))
-            plans.append(
-                plan_specs(GlobalSpec(P, nd, m[0], m[1]), GlobalSpec(P, whole, m[0], m[1]))
-            )
-    return plans
+    return _outputs_made_whole(
+        P,
+        metas,
+        combo,
+        lambda nd: (
+            tuple(broadcast if h in dims and s.is_split else s for h, s in enumerate(nd))
+            if any(nd[h].is_split for h in dims)
+            else None
+        ),
+    )
 
 
 def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple) -> list:
@@ -125,17 +124,32 @@ def reduced_later(specs: list[GlobalSpec], req: tuple, metas: list, combo: tuple
     sliced = {
         h for h in range(P.ndim) if h not in dims and not any(s.nd_sbp[h].is_split for s in specs)
     }
+    return _outputs_made_whole(
+        P,
+        metas,
+        combo,
+        lambda nd: (
+            tuple(
+                broadcast if (h in dims and s.is_partial) or (h in sliced and s.is_split) else s
+                for h, s in enumerate(nd)
+            )
+            if any(nd[h].is_partial for h in dims)
+            else None
+        ),
+    )
+
+
+def _outputs_made_whole(P, metas: list, combo: tuple, whole_of: Callable) -> list:
+    """The plans converting each output of a candidate (its nd sbp from `combo`) to
+    `whole_of(nd)`, for the outputs where that is not None."""
     plans, k = [], 0
     for m in metas:
         if m is None:
             continue
         nd = tuple(c.outputs[k] for c in combo)
         k += 1
-        if any(nd[h].is_partial for h in dims):
-            whole = tuple(
-                broadcast if (h in dims and s.is_partial) or (h in sliced and s.is_split) else s
-                for h, s in enumerate(nd)
-            )
+        whole = whole_of(nd)
+        if whole is not None:
             plans.append(
                 plan_specs(GlobalSpec(P, nd, m[0], m[1]), GlobalSpec(P, whole, m[0], m[1]))
             )
