@@ -94,17 +94,37 @@ def _device_tensor_sizes_differ(shared_memory: bool) -> tuple[str, float]:
         shm._ENABLED = saved
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_device_tensors_collectives_are_fingerprinted_on_the_host(
-    shared_memory, world, pool2, pool4
-):
-    """A collective of device tensors (NCCL) meets on the host first, as a gloo one does:
-    before, only CPU tensors were fingerprinted (no GPU here: NCCL itself is not run)."""
+def test_device_tensors_collectives_are_fingerprinted_on_the_host(world, pool2, pool4):
+    """A collective of device tensors (NCCL) between ranks of one host meets in the shared
+    segment first, as a gloo one does: before, only CPU tensors were fingerprinted (no
+    GPU here: NCCL itself is not run)."""
     pool = pool2 if world == 2 else pool4
-    for message, seconds in pool.run(_device_tensor_sizes_differ, shared_memory):
+    for message, seconds in pool.run(_device_tensor_sizes_differ, True):
         assert "all_reduce(sum) of 24 bytes" in message and "of 32 bytes" in message, message
         assert seconds < 5
+
+
+def _device_tensor_without_segment() -> int:
+    """Without a shared segment (ranks of other hosts), the gloo all-reduces a device
+    tensor's fingerprint ran: none (sizes that differ are not caught there)."""
+    saved, real = shm._ENABLED, collectives.dist.all_reduce
+    calls = []
+    shm._ENABLED = False
+    collectives.dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        ranks = tuple(range(sbp.env.get_world_size()))
+        n = 6 if sbp.env.get_rank() == 0 else 8
+        collectives._agree("all_reduce", torch.empty(n, device="meta"), ranks, "sum")
+        return len(calls)
+    finally:
+        shm._ENABLED, collectives.dist.all_reduce = saved, real
+
+
+def test_device_tensors_across_hosts_cost_no_round_trip(pool2):
+    """Across hosts a gloo round trip per NCCL collective would cost more than the
+    collective: a device tensor's fingerprint meets only in a shared segment."""
+    assert pool2.run(_device_tensor_without_segment) == [0, 0]
 
 
 def _swapped_conversions() -> tuple[str, float]:

@@ -215,17 +215,22 @@ def _agree(
 ) -> None:
     """Before a gloo or NCCL collective: the ranks compare its fingerprint (see
     `fingerprint`) on the host, in the rank set's shared segment where there is one, else
-    by a 2-element all-reduce of CPU tensors (gloo). A device tensor's collective is
-    checked so too, without waiting for the device; not where the group has no CPU
+    by a 2-element all-reduce of CPU tensors (gloo). A device tensor's collective (NCCL)
+    is checked in the shared segment only (ranks of one host, ~20 us, without waiting
+    for the device): across hosts a gloo round trip per NCCL collective would cost more
+    than the collective, so it is not checked there; nor where the group has no CPU
     backend (`backend="nccl"` alone)."""
     if not fingerprint.ENABLED:
         return
-    if tensor.device.type != "cpu" and not _host_backend(ranks):
+    on_host = tensor.device.type == "cpu"
+    if not on_host and not _host_backend(ranks):
         return
     fp = fingerprint.of(kind, tensor.dtype, _nbytes(tensor) if nbytes < 0 else nbytes, op)
     segment = _segment(ranks, kind)
     if segment is not None:
         segment.agree(fp)
+        return
+    if not on_host:
         return
     both = torch.tensor([fp, -fp], dtype=torch.int64)
     with guarded(kind, ranks):
