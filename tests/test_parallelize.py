@@ -256,7 +256,9 @@ def _by_layouts(model: torch.nn.Module, P, tp_dim: int) -> torch.nn.Module:
     return model
 
 
-def _propagated_training(model_name: str, two_d: bool) -> tuple[list, list, dict]:
+def _propagated_training(
+    model_name: str, two_d: bool, bucket_bytes: int | None = None
+) -> tuple[list, list, dict]:
     P = sbp.placement("cpu", [[0, 1], [2, 3]] if two_d else [0, 1])
     make, data = (_model, _data) if model_name == "mlp" else (_gpt, _gpt_data)
     model = _by_layouts(make(), P, P.ndim - 1)
@@ -264,8 +266,13 @@ def _propagated_training(model_name: str, two_d: bool) -> tuple[list, list, dict
     x, y = (t.to_global(P, batch) for t in data())
     opt = _adamw(model)
     _train(model, opt, x, y, steps=1)
-    with sbp.comm_stats(trace=True) as st:
-        losses = _train(model, opt, x, y, steps=1)
+    if bucket_bytes is not None:
+        sbp.gradients.BUCKET_BYTES = bucket_bytes  # (this worker's; put back below)
+    try:
+        with sbp.comm_stats(trace=True) as st:
+            losses = _train(model, opt, x, y, steps=1)
+    finally:
+        sbp.gradients.BUCKET_BYTES = 25 * 2**20
     counts: dict = {}
     for e in st.events:
         counts[e.phase, e.kind] = counts.get((e.phase, e.kind), 0) + 1
@@ -330,3 +337,21 @@ def test_sequence_parallel_gpt_blocks(pool2):
             ("backward", "to_global", "all_to_all"): 4,
             ("backward", "gradient buckets", "all_reduce"): 1,
         }
+
+
+def test_small_buckets_of_gradients_partial_along_both_dims(pool4):
+    """GPT blocks by propagation on `[[0, 1], [2, 3]]` with buckets of 2 KiB: the
+    data-parallel buckets start while backward goes on, and the buckets holding the first
+    LayerNorm's weights' gradients (partial along both dims) wait for its end, reduced one
+    dim after the other. Equal to one process; more buckets than with one (4 + 5)."""
+    results = pool4.run(_propagated_training, "gpt", True, 2048)
+    losses, params, counts = results[0]
+    for got in results:
+        assert got[0] == losses
+    plain = _gpt()
+    want = [float(v) for v in _train(plain, _adamw(plain), *_gpt_data(), steps=2)][1:]
+    assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
+    for got, ref in zip(params, plain.parameters(), strict=True):
+        torch.testing.assert_close(got, ref.detach(), rtol=1e-10, atol=1e-12)
+    assert counts[("forward", "all_reduce")] == 4
+    assert counts[("backward", "all_reduce")] == 4 + 13, counts  # (4 tensor-parallel)
