@@ -151,9 +151,11 @@ class _Buckets:
 
     def _close(self, key: tuple, entry: list, overlap: bool) -> None:
         grads = [g for g in (r() for r in entry[1]) if g is not None]
+        if not grads:  # (gradients dropped since they came: alike on every rank)
+            return
         if entry[2]:
             self.later.append((key, grads))
-        elif grads:
+        else:
             self.started.append((grads, *self._start(key, grads, overlap)))
 
     @staticmethod
