@@ -192,6 +192,41 @@ def test_a_bad_argument_is_named_before_a_collective_through_gloo(pool2):
         assert seconds < 10 and usable
 
 
+def _bad_factory_argument_on_rank_one() -> tuple:
+    """A factory of a layout no rank made before (its first use exchanges the layout):
+    rank 1 passes a bad sbp, the others a good one; then every rank makes it again. (A
+    collective first: the marks live in the rank set's shared segment, made by its first
+    collective.)"""
+    P = sbp.placement.all("cpu")
+    sbp.ones(2, placement=P, sbp=B).to_global(P, S0).full_tensor()
+    start = time.monotonic()
+    try:
+        layout = sbp.split(7) if sbp.env.get_rank() == 1 else S0
+        sbp.ones(5, 3, placement=P, sbp=layout)
+        name, message = "no error", ""
+    except sbp.SbpError as e:
+        name, message = type(e).__name__, str(e)
+    seconds = time.monotonic() - start
+    again = sbp.ones(5, 3, placement=P, sbp=S0).full_tensor()
+    return name, message, seconds, torch.equal(again, torch.ones(5, 3))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bad_factory_argument_on_one_rank_is_named_on_every_rank_at_once(world, pool2, pool4):
+    """Before: the others waited in the layout's exchange for the full timeout."""
+    pool = pool2 if world == 2 else pool4
+    for rank, (name, message, seconds, usable) in enumerate(
+        pool.run(_bad_factory_argument_on_rank_one)
+    ):
+        if rank == 1:
+            assert name == "SbpSignatureError", message
+        else:
+            assert name == "RankFailedError", message
+            assert message.startswith("rank 1 raised SbpSignatureError: "), message
+        assert seconds < 10  # the pools' timeout is 60 s
+        assert usable
+
+
 def test_the_same_bad_argument_on_every_rank_raises_it_alone(pool2):
     """Every rank raised at the same call: none names another, and the next call meets."""
     for name, message, seconds, usable in pool2.run(_bad_argument_on_rank_one, "sbp", 6, True):
