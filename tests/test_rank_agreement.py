@@ -275,3 +275,31 @@ def test_an_unchecked_local_tensor_with_a_bad_argument_is_named_at_once(pool2):
     names = [name for name, _ in pool2.run(_unchecked_local_to_global)]
     assert names == ["RankFailedError", "SbpSignatureError"]
     assert all(seconds < 10 for _, seconds in pool2.run(_unchecked_local_to_global))
+
+
+def _bad_arguments_on_alternating_ranks() -> tuple:
+    """A checked re-box tried three times: rank 1's argument is bad, then rank 0's, then
+    none; each try's outcome on this rank, then a re-box of another tensor everywhere."""
+    P = sbp.placement.all("cpu")
+    x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
+    x.to_global(P, B)  # checked: from now on this re-box skips the exchange
+    me, outcomes = sbp.env.get_rank(), []
+    for bad_rank in (1, 0, None):
+        start = time.monotonic()
+        try:
+            x.to_global(P, sbp.split(3) if me == bad_rank else B)
+            outcomes.append("ok")
+        except sbp.SbpError as e:
+            outcomes.append(type(e).__name__)
+        assert time.monotonic() - start < 10  # the pools' timeout is 60 s
+    after = sbp.ones(2, placement=P, sbp=S0).to_global(P, B).to_local()
+    return outcomes, torch.equal(after, torch.ones(2))
+
+
+def test_bad_arguments_on_alternating_ranks_keep_the_ranks_in_step(pool2):
+    """A rank that failed before answered its peer's later failure as if both had failed
+    at the same call: its re-box then paired with the failing rank's next collective."""
+    (outcomes0, in_step0), (outcomes1, in_step1) = pool2.run(_bad_arguments_on_alternating_ranks)
+    assert outcomes0 == ["RankFailedError", "SbpSignatureError", "ok"]
+    assert outcomes1 == ["SbpSignatureError", "RankFailedError", "ok"]
+    assert in_step0 and in_step1

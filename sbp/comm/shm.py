@@ -285,6 +285,15 @@ class Segment:
                     f"the timeout of {env.get_timeout()})"
                 )
             time.sleep(SLEEP_S if time.monotonic() - start < YIELD_S else CHECK_EVERY_S / 10)
+        # Peers that failed at the same call, not for this rank's error, failed alike: this
+        # rank answers theirs. A mark of a peer that answered this one is a failure of its
+        # own since (a retry), to raise for: and this episode is over (`failed_at`).
+        fps = self.failed.tolist()
+        for k in self.others:
+            alike = fps[k] and (fps[k] & _CALL_BITS) == (mark & _CALL_BITS)
+            if alike and self.acks[k, self.me] != mark:
+                self.acks[self.me, k] = fps[k]
+        self.failed_at = -1
         _marked.remove(self)
         self.failed[self.me] = 0
 
