@@ -15,6 +15,7 @@ at the top of this module for its loops over every parameter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections import deque
@@ -195,6 +196,17 @@ class _Buckets:
     def drop(self) -> None:
         self.open, self.started, self.later, self.done = {}, [], [], {}
 
+    def abandon(self) -> None:
+        """The state of a backward that raised (its `flush` never ran): its gradients stay
+        partial sums (their logical values, reduced when read); the all-reduces it started
+        are waited for, as every rank that raised alike started them."""
+        started = self.started
+        self.drop()
+        for _, _, pending in started:
+            if pending is not None:
+                with contextlib.suppress(Exception):  # (a rank that did not raise: out of step)
+                    pending.wait()
+
 
 def _write_back(grads: list, flat: torch.Tensor | None) -> None:
     """Each gradient's local tensor becomes its part of the reduced `flat` (a view)."""
@@ -217,6 +229,12 @@ def _drop_pending(ranks: tuple[int, ...]) -> None:
 
 
 shm.on_out_of_step(_drop_pending)
+
+
+def abandon() -> None:
+    """After a backward that raised (autograd runs no final callback then, so `flush`
+    did not): forget its buckets, or no later backward would queue its own `flush`."""
+    _BUCKETS.abandon()
 
 
 def flush() -> None:

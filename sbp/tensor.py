@@ -270,10 +270,15 @@ class GlobalTensor(torch.Tensor):
         inputs: Any = None,
     ) -> None:
         """torch's backward; `inputs` whose gradients autograd makes in stand-ins are
-        replaced by them (`sbp.stand_ins`: the data-parallel fast path's local leaves)."""
+        replaced by them (`sbp.stand_ins`: the data-parallel fast path's local leaves). A
+        backward that raises leaves no gradient buckets behind (`gradients.abandon`)."""
         if inputs is not None:
             inputs = stand_ins.replace(inputs)
-        torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs)
+        try:
+            torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs)
+        except BaseException:
+            gradients.abandon()  # (the gradient buckets it filled: no flush ran)
+            raise
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
         """The wrapper has the logical contiguous strides, except a transpose's or permute's,

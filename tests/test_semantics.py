@@ -649,3 +649,38 @@ def test_views_under_inference_mode(pool2):
             assert torch.equal(value, want)
             assert inference == want_inference
         assert got[-1] == str(plain.value)
+
+
+def _backward_that_raised_then_one_that_did_not() -> list:
+    """A backward on a split batch raises in a hook (caught, as a script that skips a batch
+    does); the next one runs. Its broadcast leaves' gradients: (sbp, local) per leaf."""
+    placement = sbp.placement.all("cpu")
+    x = sbp.tensor(torch.arange(12.0, dtype=torch.float64).view(4, 3), placement=placement, sbp=S0)
+    ws = [
+        sbp.ones(3, dtype=torch.float64, placement=placement, sbp=B).requires_grad_() for _ in "ab"
+    ]
+    for step in range(2):
+        h = x * ws[0]
+        if step == 0:
+
+            def boom(grad):
+                raise RuntimeError("skip this batch")
+
+            h.register_hook(boom)
+        try:
+            (h * ws[1]).sum().backward()
+        except RuntimeError:
+            for w in ws:
+                w.grad = None
+    return [(tuple(w.grad.sbp), w.grad.to_local()) for w in ws]
+
+
+def test_a_backward_that_raised_leaves_no_gradient_buckets_behind(pool2):
+    """Before: the raised backward's buckets stayed, so no later backward queued its own
+    reduction: every later gradient stayed a partial sum (and buckets piled up)."""
+    x = torch.arange(12.0, dtype=torch.float64).view(4, 3)
+    want = x.sum(0)  # d/dw0 of sum(x * w0 * w1) at w = 1, and d/dw1 alike
+    for grads in pool2.run(_backward_that_raised_then_one_that_did_not):
+        for nd_sbp, local in grads:
+            assert nd_sbp == (B,)
+            torch.testing.assert_close(local, want, rtol=0, atol=0)
