@@ -259,6 +259,13 @@ class Segment:
             return False
         return True
 
+    def _alike(self, k: int, theirs: int, mark: int) -> bool:
+        """Did peer `k` fail at the same call as this rank's `mark`? Its mark names that
+        call, and is not one this rank raised for (answered: an earlier failure of the
+        peer, not yet dropped, whose call number this rank's retry met again)."""
+        same_call = theirs and (theirs & _CALL_BITS) == (mark & _CALL_BITS)
+        return bool(same_call) and self.acks[self.me, k] != theirs
+
     def _settle_failure(self) -> None:
         """Before this rank's first call after its announced failure: wait until every peer
         answered the mark (raised in the call this rank skipped, or raised at the same
@@ -270,7 +277,7 @@ class Segment:
             waiting = [
                 k
                 for k in self.others
-                if self.acks[k, self.me] != mark and (fps[k] & _CALL_BITS) != (mark & _CALL_BITS)
+                if self.acks[k, self.me] != mark and not self._alike(k, fps[k], mark)
             ]
             if not waiting:
                 break
@@ -290,8 +297,7 @@ class Segment:
         # own since (a retry), to raise for: and this episode is over (`failed_at`).
         fps = self.failed.tolist()
         for k in self.others:
-            alike = fps[k] and (fps[k] & _CALL_BITS) == (mark & _CALL_BITS)
-            if alike and self.acks[k, self.me] != mark:
+            if self._alike(k, fps[k], mark) and self.acks[k, self.me] != mark:
                 self.acks[self.me, k] = fps[k]
         self.failed_at = -1
         _marked.remove(self)
