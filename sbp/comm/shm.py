@@ -85,9 +85,8 @@ class Segment:
         self.undone = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=32, strides=(LINE,))
         self._answered: dict[int, int] = {}  # peer index -> the mark this rank raised for
         # A rank's mark after it raised on bad input where its peers go on into a collective
-        # (`announce_failure`), and the calls this rank had made at its own last mark.
+        # (`announce_failure`): its failure count and the call it will not make.
         self.failed = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=40, strides=(LINE,))
-        self.failed_at = -1
         # acks[k, r]: the mark of rank r that rank k answered (raised for, or failed alike)
         self.acks = np.ndarray((n, n), dtype=np.int64, buffer=mapping, offset=LINE * n)
         with torch.inference_mode(False):
@@ -248,16 +247,11 @@ class Segment:
             )
 
     def _peer_failed(self, index: int, n: int) -> bool:
-        """Did peer `index` raise right after its call n - 1 (announced, not answered yet),
-        while this rank, which did not raise there itself, waits in call n? (Where this
-        rank raised there too, it answers at once: the ranks are in step.)"""
+        """Did peer `index` raise right after its call n - 1 (announced, not answered yet)
+        while this rank waits in call n? (Where this rank raised there too, its own next
+        call answered the peer's mark first, in `_settle_failure`: the ranks are in step.)"""
         mark = int(self.failed[index])
-        if not mark or self.acks[self.me, index] == mark or (mark & _CALL_BITS) != n:
-            return False
-        if self.failed_at == n - 1:
-            self.acks[self.me, index] = mark
-            return False
-        return True
+        return bool(mark) and self.acks[self.me, index] != mark and (mark & _CALL_BITS) == n
 
     def _alike(self, k: int, theirs: int, mark: int) -> bool:
         """Did peer `k` fail at the same call as this rank's `mark`? Its mark names that
@@ -294,12 +288,11 @@ class Segment:
             time.sleep(SLEEP_S if time.monotonic() - start < YIELD_S else CHECK_EVERY_S / 10)
         # Peers that failed at the same call, not for this rank's error, failed alike: this
         # rank answers theirs. A mark of a peer that answered this one is a failure of its
-        # own since (a retry), to raise for: and this episode is over (`failed_at`).
+        # own since (a retry), to raise for (`_peer_failed`).
         fps = self.failed.tolist()
         for k in self.others:
             if self._alike(k, fps[k], mark) and self.acks[k, self.me] != mark:
                 self.acks[self.me, k] = fps[k]
-        self.failed_at = -1
         _marked.remove(self)
         self.failed[self.me] = 0
 
@@ -333,7 +326,6 @@ def announce_failure(error: BaseException, ranks: tuple[int, ...]) -> None:
         with contextlib.suppress(Exception):  # (the message only: the mark says enough)
             store.set(_failure_key(env.get_rank(), count), f"{type(error).__name__}: {error}")
     for segment in segments.values():
-        segment.failed_at = segment.calls
         segment.failed[segment.me] = (count << 32) | (segment.calls + 1)
         if segment not in _marked:
             _marked.append(segment)
