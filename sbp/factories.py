@@ -10,9 +10,7 @@ differently get different "broadcast" values. `sbp.tensor(data)` does check (a h
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,18 +51,6 @@ def _device_of(placement: Any) -> torch.device:
     return local_device(placement.type)
 
 
-@contextlib.contextmanager
-def _announcing(placement: Any) -> Iterator[None]:
-    """A bad argument found here on some ranks only: its peers go on into the factory's
-    first layout exchange (or a later collective) with this rank, so it is announced to
-    them (`agreement.announce`: they raise `RankFailedError` at once, not at the timeout)."""
-    try:
-        yield
-    except SbpError as e:
-        agreement.announce(e, placement if isinstance(placement, Placement) else None)
-        raise
-
-
 def from_logical(
     value: torch.Tensor,
     placement: Placement,
@@ -75,7 +61,7 @@ def from_logical(
     """A global tensor whose logical value is `value` (the same on every rank). Ranks that
     ask for different layouts (a rank-dependent `sbp=`) raise `MetaMismatchError` on every
     rank, as a re-box does (`agreement.check_rebox`; `checked`: the caller did)."""
-    with _announcing(placement):
+    with agreement.announcing(placement):
         _device_of(placement)
         nd = normalize_nd_sbp(sbp, placement.ndim, value.dim())
     all_b = GlobalSpec(placement, (broadcast,) * placement.ndim, tuple(value.shape), value.dtype)
@@ -157,7 +143,7 @@ def _factory(fn):
     def make(*size, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False, **kw):
         if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
             size = tuple(size[0])
-        with _announcing(placement):
+        with agreement.announcing(placement):
             value = _value(fn, size, placement, sbp, dtype=dtype, **kw)
             check_requires_grad(f"sbp.{fn.__name__}", requires_grad, value.dtype)
         return from_logical(value, placement, sbp, requires_grad)
@@ -177,14 +163,14 @@ empty = _factory(torch.empty)
 def full(
     size, fill_value, *, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False
 ):
-    with _announcing(placement):
+    with agreement.announcing(placement):
         value = _value(torch.full, (size, fill_value), placement, sbp, dtype=dtype)
         check_requires_grad("sbp.full", requires_grad, value.dtype)
     return from_logical(value, placement, sbp, requires_grad)
 
 
 def arange(*args, placement: Placement, sbp: Any = None, dtype=None, requires_grad=False):
-    with _announcing(placement):
+    with agreement.announcing(placement):
         value = _value(torch.arange, args, placement, sbp, dtype=dtype)
         check_requires_grad("sbp.arange", requires_grad, value.dtype)
     return from_logical(value, placement, sbp, requires_grad)

@@ -13,13 +13,16 @@ do not exchange (a re-box checked before), `announce` marks it where they wait i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 
 import torch
 
 from sbp import env
 from sbp.comm import functional, shm, stats
 from sbp.comm.meta import exchange
+from sbp.errors import SbpError
 
 MODE = "first"
 MAX_SEEN = 4096
@@ -48,6 +51,18 @@ def announce(error: BaseException, ranks: object = None) -> None:
     if env.get_world_size() > 1:
         ranks = getattr(ranks, "flat_ranks", ranks)
         shm.announce_failure(error, ranks if isinstance(ranks, tuple) else world())
+
+
+@contextlib.contextmanager
+def announcing(ranks: object = None) -> Iterator[None]:
+    """Checks of arguments found bad on some ranks only, whose peers go on into a first
+    exchange or a later collective with this rank: an `SbpError` raised inside is
+    announced to them (`announce`) on its way out."""
+    try:
+        yield
+    except SbpError as e:
+        announce(e, ranks)
+        raise
 
 
 def check_rebox(
