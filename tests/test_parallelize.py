@@ -5,6 +5,9 @@ backward but the first (its input's gradient, Megatron's f), nothing else."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,21 +211,28 @@ def test_dp_x_tp_on_a_2d_placement(pool4):
         }
 
 
+@contextlib.contextmanager
+def _buckets_of(nbytes: int | None) -> Iterator[None]:
+    """Gradient buckets of `nbytes` in this worker (None: as they are) while it runs."""
+    saved = sbp.gradients.BUCKET_BYTES
+    sbp.gradients.BUCKET_BYTES = saved if nbytes is None else nbytes
+    try:
+        yield
+    finally:
+        sbp.gradients.BUCKET_BYTES = saved
+
+
 def _dp_tp_small_buckets(bucket_bytes: int) -> tuple[list, list, list]:
     """DP x TP as above, gradient buckets of `bucket_bytes`: the second step's collectives
     in the order they ran, as (phase, op)."""
-    sbp.gradients.BUCKET_BYTES = bucket_bytes  # (this worker's; put back below)
-    try:
-        P = sbp.placement("cpu", [[0, 1], [2, 3]])
-        plan = {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
-        model = sbp.nn.parallelize(_model(), plan, P)
-        x, y = (t.to_global(P, (sbp.split(0), sbp.broadcast)) for t in _data())
-        opt = _adamw(model)
-        _train(model, opt, x, y, steps=1)
-        with sbp.comm_stats(trace=True) as st:
-            losses = _train(model, opt, x, y, steps=1)
-    finally:
-        sbp.gradients.BUCKET_BYTES = 25 * 2**20
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    plan = {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+    model = sbp.nn.parallelize(_model(), plan, P)
+    x, y = (t.to_global(P, (sbp.split(0), sbp.broadcast)) for t in _data())
+    opt = _adamw(model)
+    _train(model, opt, x, y, steps=1)
+    with _buckets_of(bucket_bytes), sbp.comm_stats(trace=True) as st:
+        losses = _train(model, opt, x, y, steps=1)
     params = [p.full_tensor() for p in model.parameters()]
     order = [(e.phase, e.op) for e in st.events]
     return [float(v.full_tensor()) for v in losses], params, order
@@ -266,13 +276,8 @@ def _propagated_training(
     x, y = (t.to_global(P, batch) for t in data())
     opt = _adamw(model)
     _train(model, opt, x, y, steps=1)
-    if bucket_bytes is not None:
-        sbp.gradients.BUCKET_BYTES = bucket_bytes  # (this worker's; put back below)
-    try:
-        with sbp.comm_stats(trace=True) as st:
-            losses = _train(model, opt, x, y, steps=1)
-    finally:
-        sbp.gradients.BUCKET_BYTES = 25 * 2**20
+    with _buckets_of(bucket_bytes), sbp.comm_stats(trace=True) as st:
+        losses = _train(model, opt, x, y, steps=1)
     counts: dict = {}
     for e in st.events:
         counts[e.phase, e.kind] = counts.get((e.phase, e.kind), 0) + 1
