@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from sbp.errors import InputTypeError, InputValueError, PlacementError
 from sbp.placement import index_of_coord
 from sbp.placement import placement as Placement
-from sbp.signature import NdSbp, normalize_nd_sbp
+from sbp.signature import NdSbp, Split, StridedSplit, normalize_nd_sbp
 
 
 def elements_per_index(shape: Sequence[int], dim: int) -> int:
@@ -57,6 +57,8 @@ def local_ranges(
     """[start, stop) per tensor dim held at `coord` (nd_sbp already normalised)."""
     ranges = [(0, int(d)) for d in shape]
     for h, s in enumerate(nd_sbp):
+        if s.is_strided:
+            raise ValueError(f"a strided split holds no range of the logical tensor: {nd_sbp}")
         if s.is_split:
             start, stop = ranges[s.dim]
             a, b = balanced_range(stop - start, hierarchy[h], coord[h])
@@ -144,4 +146,35 @@ class GlobalSpec(NamedTuple):
     def local_shape(self, rank: int) -> tuple[int, ...]:
         if rank not in self.placement:
             return (0,)
+        strided = strided_of(self.nd_sbp)
+        if strided is not None:
+            d = strided.dim
+            shape = unflattened(self).local_shape(rank)
+            return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2 :])
         return tuple(b - a for a, b in self.ranges(rank))
+
+
+def strided_of(nd_sbp: NdSbp) -> StridedSplit | None:
+    """The strided split of a signature, if it holds one (each holds at most one kind)."""
+    for s in nd_sbp:
+        if s.is_strided:
+            return s
+    return None
+
+
+def unflattened(spec: GlobalSpec, strided: StridedSplit | None = None) -> GlobalSpec:
+    """`spec` with the dim of its strided split (or of `strided`) seen as (blocks, inner):
+    the strided split becomes a split of the inner dim, a split of that dim one of the
+    blocks. This is what a strided split means, and how it is converted (`sbp.boxing`)."""
+    st = strided or strided_of(spec.nd_sbp)
+    d, k = st.dim, st.inner
+    shape = (*spec.shape[:d], spec.shape[d] // k, k, *spec.shape[d + 1 :])
+    nd = []
+    for s in spec.nd_sbp:
+        if s.is_strided:
+            nd.append(Split(d + 1))
+        elif s.is_split and s.dim > d:
+            nd.append(Split(s.dim + 1))
+        else:
+            nd.append(s)
+    return GlobalSpec(spec.placement, tuple(nd), shape, spec.dtype)

@@ -22,6 +22,7 @@ class SBP:
     is_split = False
     is_broadcast = False
     is_partial = False
+    is_strided = False
 
 
 class Split(SBP):
@@ -50,6 +51,36 @@ class Split(SBP):
 
     def __reduce__(self):
         return (Split, (self.dim,))
+
+
+class StridedSplit(SBP):
+    """Dim `dim`, seen as blocks of `inner` elements (`(size // inner, inner)`), with each
+    block split alike: what flattening `(batch, heads)` gives where the heads are split
+    (DTensor's `_StridedShard`). Made by views (`sbp.ops.views`) and read by the few ops
+    that keep it (batched products, transposes, the view back); anything else converts it
+    first. Within its signature a `Split(dim)` splits the blocks, and the layout is the one
+    of the unflattened tensor (`sbp.layout.unflattened`)."""
+
+    __slots__ = ("dim", "inner", "_hash")
+    is_strided = True
+
+    def __init__(self, dim: int, inner: int) -> None:
+        self.dim, self.inner = operator.index(dim), operator.index(inner)
+        self._hash = hash(("SS", self.dim, self.inner))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, StridedSplit) and other.dim == self.dim and other.inner == self.inner
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"sbp.strided_split(dim={self.dim}, inner={self.inner})"
+
+    def __reduce__(self):
+        return (StridedSplit, (self.dim, self.inner))
 
 
 class Broadcast(SBP):
@@ -133,6 +164,11 @@ def normalize_nd_sbp(sbp: Any, hierarchy_ndim: int, tensor_ndim: int | None = No
     for s in items:
         if not isinstance(s, SBP):
             raise SbpSignatureError(f"sbp entries must be SBPs, got {s!r} in {tuple(items)!r}")
+        if s.is_strided:
+            raise SbpSignatureError(
+                f"sbp: {s!r} is made by views (a flatten of a split dim), not asked for; "
+                "use split, broadcast or partial"
+            )
         if s.is_split and tensor_ndim is not None:
             d = s.dim
             if not -tensor_ndim <= d < max(tensor_ndim, 0) or tensor_ndim == 0:
@@ -178,4 +214,6 @@ def short(s: SBP) -> str:
         return f"S({s.dim})"
     if isinstance(s, Partial):
         return "P" if s.op == "sum" else f"P({s.op})"
+    if isinstance(s, StridedSplit):
+        return f"S({s.dim}/{s.inner})"
     return "B"

@@ -6,6 +6,7 @@ backward but the first (its input's gradient, Megatron's f), nothing else."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -105,9 +106,9 @@ class Attention(torch.nn.Module):
     """Causal self-attention; qkv rows ordered (heads, {q, k, v}, head dim), so a split of
     qkv's output features gives each rank whole heads."""
 
-    def __init__(self, hidden: int = 16, heads: int = 4):
+    def __init__(self, hidden: int = 16, heads: int = 4, softmax: bool = False):
         super().__init__()
-        self.hd = hidden // heads
+        self.hd, self.softmax = hidden // heads, softmax
         self.qkv = torch.nn.Linear(hidden, 3 * hidden, dtype=torch.float64)
         self.proj = torch.nn.Linear(hidden, hidden, dtype=torch.float64)
 
@@ -115,15 +116,20 @@ class Attention(torch.nn.Module):
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, -1, 3, self.hd)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.softmax:  # torch's matmul flattens (batch, heads) for bmm: a strided split
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+            mask = torch.ones_like(scores, dtype=torch.bool).triu(1)  # (laid out as scores)
+            o = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
 class GPTBlock(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, softmax: bool = False):
         super().__init__()
         self.ln1 = torch.nn.LayerNorm(16, dtype=torch.float64)
-        self.attn = Attention()
+        self.attn = Attention(softmax=softmax)
         self.ln2 = torch.nn.LayerNorm(16, dtype=torch.float64)
         self.mlp = Block()
 
@@ -166,14 +172,25 @@ def _second_step_strict(model, x, y, key) -> tuple[list, list, dict]:
     return [float(v.full_tensor()) for v in losses], params, counts
 
 
-def _gpt() -> torch.nn.Module:
+def _gpt(softmax: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(GPTBlock(), GPTBlock())
+    return torch.nn.Sequential(GPTBlock(softmax), GPTBlock(softmax))
+
+
+def _gpt_softmax() -> torch.nn.Module:
+    return _gpt(softmax=True)
 
 
 def _gpt_data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     return tuple(torch.randn(2, 6, 16, generator=g, dtype=torch.float64) for _ in range(2))
+
+
+MODELS = {
+    "mlp": (_model, _data),
+    "gpt": (_gpt, _gpt_data),
+    "gpt_softmax": (_gpt_softmax, _gpt_data),
+}
 
 
 def _gpt_parallel_training() -> tuple[list, list, dict]:
@@ -270,7 +287,7 @@ def _propagated_training(
     model_name: str, two_d: bool, bucket_bytes: int | None = None
 ) -> tuple[list, list, dict]:
     P = sbp.placement("cpu", [[0, 1], [2, 3]] if two_d else [0, 1])
-    make, data = (_model, _data) if model_name == "mlp" else (_gpt, _gpt_data)
+    make, data = MODELS[model_name]
     model = _by_layouts(make(), P, P.ndim - 1)
     batch = (sbp.split(0), sbp.broadcast) if two_d else (sbp.broadcast,)
     x, y = (t.to_global(P, batch) for t in data())
@@ -302,13 +319,18 @@ def _propagated_training(
         # the same, and one bucket per hierarchy dim: the data-parallel gradients, and that
         # LayerNorm's weights' over the tensor-parallel dim (Megatron 4 + 5; before: 4 + 7)
         ("gpt", True, {("forward", "all_reduce"): 4, ("backward", "all_reduce"): 5}),
+        # attention written out, softmax(q @ k^T) @ v with the heads split: torch's matmul
+        # flattens (batch, heads), a strided split, and the products stay local (before:
+        # 13 + 24 in benchmarks/tensor_parallel.py, gathering and re-splitting the heads)
+        ("gpt_softmax", False, {("forward", "all_reduce"): 4, ("backward", "all_reduce"): 4}),
+        ("gpt_softmax", True, {("forward", "all_reduce"): 4, ("backward", "all_reduce"): 5}),
     ],
 )
 def test_megatron_layouts_by_propagation_alone(pool4, model_name, two_d, want):
     """No plan, only each weight's sbp: a partial sum is resolved once, where it pays,
     and Megatron's count runs (before these rules: MLP 4 + 5, GPT 7 + 18 collectives per
     step). Equal to one process."""
-    make, data = (_model, _data) if model_name == "mlp" else (_gpt, _gpt_data)
+    make, data = MODELS[model_name]
     results = pool4.run(_propagated_training, model_name, two_d)
     for counts in _as_one_process(results if two_d else results[:2], make(), *data()):
         assert counts == want

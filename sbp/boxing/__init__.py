@@ -38,7 +38,7 @@ def target_spec(src: GlobalSpec, placement: Any = None, sbp: Any = None) -> Glob
                 f"sbp is needed: the placement's hierarchy {placement.hierarchy} differs from "
                 f"the current {src.placement.hierarchy}"
             )
-        sbp = src.nd_sbp
+        return GlobalSpec(placement, src.nd_sbp, tuple(src.shape), src.dtype)
     nd = normalize_nd_sbp(sbp, placement.ndim, len(src.shape))
     return GlobalSpec(placement, nd, tuple(src.shape), src.dtype)
 

@@ -48,7 +48,10 @@ def execute(plan: Plan, local: torch.Tensor) -> torch.Tensor:
     rank = env.get_rank()
     x, owned = local, False
     for step in plan.steps:
-        if step.hdim is None:
+        if step.view:
+            if rank in step.after.placement:
+                x = x.reshape(step.after.local_shape(rank))
+        elif step.hdim is None:
             x, owned = _transfer(step, x, rank), True
         elif rank in step.before.placement:
             x, owned = _group_step(step, x, rank, owned)

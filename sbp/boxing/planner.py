@@ -27,7 +27,7 @@ from functools import lru_cache
 import torch
 
 from sbp.comm import cost
-from sbp.layout import GlobalSpec, balanced_sizes, elements_per_index
+from sbp.layout import GlobalSpec, balanced_sizes, elements_per_index, strided_of, unflattened
 from sbp.signature import SBP, NdSbp, broadcast, format_nd_sbp, partials_to_broadcast, short
 
 Box = tuple[tuple[int, int], ...]
@@ -68,11 +68,14 @@ class Step:
     after: GlobalSpec
     hdim: int | None = None
     transfers: tuple[Transfer, ...] = ()
+    view: bool = False  # a local reshape between a strided split's two views (no hdim)
     sent: dict = field(default_factory=dict, compare=False, hash=False)
     recv: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def collective(self) -> str:
+        if self.view:
+            return "local view"
         if self.hdim is None:
             return "send/recv"
         a, b = self.before.nd_sbp[self.hdim], self.after.nd_sbp[self.hdim]
@@ -83,7 +86,9 @@ class Step:
         return max(self.sent.values(), default=0)
 
     def __str__(self) -> str:
-        if self.hdim is None:
+        if self.view:
+            what = f"view {tuple(self.before.shape)} as {tuple(self.after.shape)}"
+        elif self.hdim is None:
             what = (
                 f"move {self.before.placement.type}{list(self.before.placement.flat_ranks)} "
                 f"{format_nd_sbp(self.before.nd_sbp)} -> {self.after.placement.type}"
@@ -258,6 +263,8 @@ def plan_specs(src: GlobalSpec, dst: GlobalSpec) -> Plan:
     """The cheapest plan from `src` to `dst` (same logical shape and dtype). Cached."""
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"boxing keeps the logical shape: {src.shape} vs {dst.shape}")
+    if strided_of(src.nd_sbp) is not None or strided_of(dst.nd_sbp) is not None:
+        return Plan(src, dst, _strided_steps(src, dst))
     if src.placement == dst.placement:
         return Plan(src, dst, _same_placement_steps(src, dst.nd_sbp))
     mid_src = src._replace(nd_sbp=partials_to_broadcast(src.nd_sbp))
@@ -266,3 +273,52 @@ def plan_specs(src: GlobalSpec, dst: GlobalSpec) -> Plan:
     steps.append(_transfer_step(mid_src, mid_dst))
     steps += _same_placement_steps(mid_dst, dst.nd_sbp)
     return Plan(src, dst, tuple(steps))
+
+
+# ---------------------------------------------------------------- strided splits
+
+
+def _strided_steps(src: GlobalSpec, dst: GlobalSpec) -> tuple[Step, ...]:
+    """A strided split is converted on the unflattened tensor, where it is a plain split
+    (`sbp.layout.unflattened`): view, the group steps there, view back. A split of the
+    same dim that is not one of whole blocks, another strided split, or a placement change
+    goes through broadcast on that hierarchy dim first."""
+    a, b = strided_of(src.nd_sbp), strided_of(dst.nd_sbp)
+    if src.placement != dst.placement or (a is not None and b is not None and a != b):
+        mid = _plain(src) if a is not None else _plain(dst)
+        return plan_specs(src, mid).steps + plan_specs(mid, dst).steps
+    st = a if a is not None else b
+    for spec in (src, dst):
+        if strided_of(spec.nd_sbp) is None and not _whole_blocks(spec, st):
+            mid = spec._replace(
+                nd_sbp=tuple(
+                    broadcast if s.is_split and s.dim == st.dim else s for s in spec.nd_sbp
+                )
+            )
+            return plan_specs(src, mid).steps + plan_specs(mid, dst).steps
+    u_src, u_dst = unflattened(src, st), unflattened(dst, st)
+    steps = _same_placement_steps(u_src, u_dst.nd_sbp)
+    if not steps:
+        return ()
+    return (
+        Step(src, u_src, view=True),
+        *steps,
+        Step(u_dst, dst, view=True),
+    )
+
+
+def _plain(spec: GlobalSpec) -> GlobalSpec:
+    return spec._replace(nd_sbp=tuple(broadcast if s.is_strided else s for s in spec.nd_sbp))
+
+
+def _whole_blocks(spec: GlobalSpec, st) -> bool:
+    """Does every rank's part of `st.dim` in plain `spec` consist of whole blocks, the same
+    as the unflattened layout's split of the blocks gives?"""
+    if not any(s.is_split and s.dim == st.dim for s in spec.nd_sbp):
+        return True
+    u = unflattened(spec, st)
+    k = st.inner
+    return all(
+        spec.ranges(r)[st.dim] == tuple(x * k for x in u.ranges(r)[st.dim])
+        for r in spec.placement.flat_ranks
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sbp.ops.registry import Call, Strategy, register_strategy, split_leading_dims
+from sbp.ops.strided import batch_candidates
 from sbp.signature import SBP, broadcast, partial_sum, split
 
 aten = torch.ops.aten
@@ -56,6 +57,7 @@ def bmm(call: Call) -> list[Strategy]:
         Strategy((S2, S1), (P,)),
         Strategy((P, B), (P,)),
         Strategy((B, P), (P,)),
+        *batch_candidates(call),
     ]
 
 

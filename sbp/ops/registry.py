@@ -505,7 +505,7 @@ def _decide(
         raise AssertionError(f"{func}: the rule gave no candidate")
     combo, req = best
     pads = padded or any(
-        a.is_split and b.is_partial
+        (a.is_split or a.is_strided) and b.is_partial
         for s, r in zip(specs, req, strict=True)
         for a, b in zip(s.nd_sbp, r.nd_sbp, strict=True)
     )

@@ -14,7 +14,7 @@ import torch
 from sbp import env
 from sbp.boxing.executor import empty_local
 from sbp.errors import IndexRangeError, PlacementError
-from sbp.ops import arguments
+from sbp.ops import arguments, strided
 from sbp.ops.arguments import LOCAL_INDEX_OPS, formula_buffer, trusted_constant
 from sbp.ops.local_views import local_view
 from sbp.ops.meta import outside_ranks_learn
@@ -93,9 +93,9 @@ def reshape(call: Call) -> list[Strategy]:
     if call.func.overloadpacket is aten.expand:
         off = len(out_shape) - len(in_shape)
         pairs = [(a, a + off) for a, s in enumerate(in_shape) if s == out_shape[a + off]]
-    else:
-        pairs = kept_dims(in_shape, out_shape) + evenly_merged_dims(call, in_shape, out_shape)
-    return mapped(pairs, 1)
+        return mapped(pairs, 1) + strided.moved_candidates(call, pairs)
+    pairs = kept_dims(in_shape, out_shape) + evenly_merged_dims(call, in_shape, out_shape)
+    return mapped(pairs, 1) + strided.reshape_candidates(call, in_shape, out_shape)
 
 
 def evenly_merged_dims(call: Call, in_shape, out_shape) -> list[tuple[int, int]]:
@@ -130,7 +130,8 @@ def transpose(call: Call) -> list[Strategy]:
             d0 = _norm(call.arg(1, "dim0", 0), ndim)
             d1 = _norm(call.arg(2, "dim1", 1), ndim)
             order[d0], order[d1] = order[d1], order[d0]
-    return mapped([(a, order.index(a)) for a in range(ndim)], 1)
+    pairs = [(a, order.index(a)) for a in range(ndim)]
+    return mapped(pairs, 1) + strided.moved_candidates(call, pairs)
 
 
 def _shard_shaped(func, args, kwargs, outs, in_specs, out_specs):
