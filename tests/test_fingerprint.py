@@ -13,9 +13,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import sbp
-from sbp.comm import collectives, fingerprint, shm
+from sbp.comm import collectives, fingerprint, inline, shm
 
 S0, B = sbp.split(0), sbp.broadcast
 
@@ -54,7 +55,9 @@ def _swapped_reductions(numel_a: int, numel_b: int, shared_memory: bool) -> tupl
         (6, 8, True),  # 24 and 32 bytes in shared memory: wrong values before
         (300_000, 400_000, True),  # gloo, checked in the shared segment: SIGABRT before
         (6, 300_000, True),  # one rank in shared memory, the other in gloo
-        (300_000, 400_000, False),  # gloo across hosts: a 2-element all-reduce first
+        (300_000, 400_000, False),  # gloo across hosts: the fingerprint's frame first
+        (6, 8, False),  # across hosts, each inside its frame: wrong values or SIGABRT before
+        (6, 300_000, False),  # one inside its frame, the other after its frame
     ],
 )
 @pytest.mark.parametrize("world", [2, 4])
@@ -62,18 +65,12 @@ def test_swapped_collectives_raise_on_every_rank(
     numel_a, numel_b, shared_memory, world, pool2, pool4
 ):
     pool = pool2 if world == 2 else pool4
-    for rank, (message, seconds) in enumerate(
-        pool.run(_swapped_reductions, numel_a, numel_b, shared_memory)
-    ):
+    for message, seconds in pool.run(_swapped_reductions, numel_a, numel_b, shared_memory):
         assert "collectives out of step over ranks" in message
         assert seconds < 5
         a, b = f"all_reduce(sum) of {4 * numel_a} bytes", f"all_reduce(sum) of {4 * numel_b} bytes"
-        if shared_memory:  # every rank sees each rank's side
-            assert f"rank 0 ran {a}" in message and b in message, message
-        else:  # each rank sees its own side and the other one
-            mine, other = (a, b) if rank == 0 else (b, a)
-            assert f"rank {rank} (this one) ran {mine}" in message, message
-            assert f"another rank ran {other}" in message, message
+        others = ", ".join(f"rank {r}" for r in range(1, world))
+        assert f"rank 0 ran {a}" in message and f"{others} ran {b}" in message, message
 
 
 def _device_tensor_sizes_differ(shared_memory: bool) -> tuple[str, float]:
@@ -105,26 +102,100 @@ def test_device_tensors_collectives_are_fingerprinted_on_the_host(world, pool2, 
         assert seconds < 5
 
 
-def _device_tensor_without_segment() -> int:
-    """Without a shared segment (ranks of other hosts), the gloo all-reduces a device
-    tensor's fingerprint ran: none (sizes that differ are not caught there)."""
-    saved, real = shm._ENABLED, collectives.dist.all_reduce
-    calls = []
+def _gloo_calls(run) -> dict:
+    """The gloo collectives `run()` made, by kind, without a shared segment (other hosts)."""
+    saved, calls = shm._ENABLED, {}
+    where = {"all_reduce": (dist, "all_reduce"), "all_gather": (inline, "_all_gather_single")}
+    real = {kind: getattr(*at) for kind, at in where.items()}
+
+    def counting(kind):
+        return lambda *a, **kw: calls.update({kind: calls.get(kind, 0) + 1}) or real[kind](*a, **kw)
+
     shm._ENABLED = False
-    collectives.dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+    for kind, (module, name) in where.items():
+        setattr(module, name, counting(kind))
     try:
-        ranks = tuple(range(sbp.env.get_world_size()))
-        n = 6 if sbp.env.get_rank() == 0 else 8
-        collectives._agree("all_reduce", torch.empty(n, device="meta"), ranks, "sum")
-        return len(calls)
+        run()
+        return calls
     finally:
-        shm._ENABLED, collectives.dist.all_reduce = saved, real
+        shm._ENABLED = saved
+        for kind, (module, name) in where.items():
+            setattr(module, name, real[kind])
+
+
+def _device_tensor_without_segment() -> dict:
+    """Without a shared segment (ranks of other hosts), the gloo calls a device tensor's
+    fingerprint made: none (sizes that differ are not caught there)."""
+    ranks = tuple(range(sbp.env.get_world_size()))
+    n = 6 if sbp.env.get_rank() == 0 else 8
+    tensor = torch.empty(n, device="meta")
+    return _gloo_calls(lambda: collectives._agree("all_reduce", tensor, ranks, "sum"))
 
 
 def test_device_tensors_across_hosts_cost_no_round_trip(pool2):
     """Across hosts a gloo round trip per NCCL collective would cost more than the
     collective: a device tensor's fingerprint meets only in a shared segment."""
-    assert pool2.run(_device_tensor_without_segment) == [0, 0]
+    assert pool2.run(_device_tensor_without_segment) == [{}, {}]
+
+
+def _small_and_large_across_hosts() -> list:
+    """Without a shared segment: small all-reduces (sum, max, min; NaN; integers; half)
+    and an all-gather in a permuted rank order, each inside its fingerprint's frame, and a
+    large all-reduce after its frame; each with the gloo calls it made."""
+    me, n = sbp.env.get_rank(), sbp.env.get_world_size()
+    ranks = tuple(range(n))
+    out = []
+    for dtype, op in [
+        (torch.float64, "sum"),
+        (torch.float32, "max"),
+        (torch.float32, "min"),
+        (torch.int64, "sum"),
+        (torch.int8, "sum"),
+        (torch.float16, "sum"),
+    ]:
+        t = (torch.arange(5, dtype=torch.float64) * (me + 1) - 3).to(dtype)
+        if dtype == torch.float32 and me == 1:
+            t[2] = float("nan")
+        calls = _gloo_calls(lambda t=t, op=op: collectives.all_reduce(t, op, ranks))
+        out.append((dtype, op, t, calls))
+    order = tuple(reversed(ranks))
+    got = torch.empty(n, 3)
+    calls = _gloo_calls(lambda: collectives.all_gather(got, torch.full((3,), float(me)), order))
+    out.append(("all_gather", order, got, calls))
+    big = torch.full((100_000,), float(me))
+    calls = _gloo_calls(lambda: collectives.all_reduce(big, "sum", ranks))
+    out.append(("large", "sum", big[:3], calls))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_small_gloo_collectives_carry_their_fingerprint_inside(world, pool2, pool4):
+    """Across hosts (no shared segment) a small all-reduce or all-gather is one gloo call,
+    its fingerprint in the same buffer (before: a 2-element all-reduce first, then the
+    collective); every rank reduces in rank order, so all hold the same bits. A large
+    one is its frame, then its all-reduce. Values equal the reduction in one process."""
+    pool = pool2 if world == 2 else pool4
+    results = pool.run(_small_and_large_across_hosts)
+    parts = [(torch.arange(5, dtype=torch.float64) * (r + 1) - 3) for r in range(world)]
+    for res in results:
+        for (dtype, op, got, calls), first in zip(res, results[0], strict=True):
+            if dtype == "all_gather":
+                want = torch.tensor([[float(r)] * 3 for r in op])
+                assert calls == {"all_gather": 1}
+            elif dtype == "large":
+                want = torch.full((3,), float(sum(range(world))))
+                assert calls == {"all_gather": 1, "all_reduce": 1}
+            else:
+                p = [x.to(dtype) for x in parts]
+                if dtype == torch.float32:
+                    p[1][2] = float("nan")
+                stacked = torch.stack(p)
+                want = {"sum": stacked.sum(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+                assert calls == {"all_gather": 1}
+                torch.testing.assert_close(got, want.to(dtype), equal_nan=True)
+                assert torch.equal(got.view(torch.uint8), first[2].view(torch.uint8))
+                continue
+            torch.testing.assert_close(got, want)
 
 
 def _swapped_conversions() -> tuple[str, float]:

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import arrival, cost, fingerprint, functional, shm, stats
+from sbp.comm import arrival, cost, fingerprint, functional, inline, shm, stats
 from sbp.comm.groups import get_group, group_order
-from sbp.errors import CommTimeoutError, InputTypeError, MetaMismatchError, PlacementError
+from sbp.errors import CommTimeoutError, InputTypeError, PlacementError
 
 Ranks = tuple[int, ...]
 
@@ -110,6 +110,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch
     segment = _shared_segment(input, ranks, "all_gather")
     if segment is not None:
         segment.all_gather(target, input)
+    elif _inline(input, ranks, "all_gather"):
+        fp = fingerprint.of("all_gather", input.dtype, _nbytes(input))
+        with guarded("all_gather", ranks):
+            rows = inline.exchange(fp, ranks, get_group(ranks), input)
+        _rows(target, len(ranks)).copy_(inline.parts(rows, input)[0])
     else:
         _agree("all_gather", input, ranks)
         with guarded("all_gather", ranks):
@@ -215,7 +220,8 @@ def _agree(
 ) -> None:
     """Before a gloo or NCCL collective: the ranks compare its fingerprint (see
     `fingerprint`) on the host, in the rank set's shared segment where there is one, else
-    by a 2-element all-reduce of CPU tensors (gloo). A device tensor's collective (NCCL)
+    in a gloo all-gather of a fixed-size frame (`inline`: small calls carry their data in
+    it instead of coming here). A device tensor's collective (NCCL)
     is checked in the shared segment only (ranks of one host, ~20 us, without waiting
     for the device): across hosts a gloo round trip per NCCL collective would cost more
     than the collective, so it is not checked there; nor where the group has no CPU
@@ -232,14 +238,29 @@ def _agree(
         return
     if not on_host:
         return
-    both = torch.tensor([fp, -fp], dtype=torch.int64)
-    with guarded(kind, ranks):
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=get_group(ranks))
-    high, low = both[0].item(), -both[1].item()
-    if high != fp or low != fp:
-        sides = [(f"rank {env.get_rank()} (this one)", fp)]
-        sides += [("another rank", other) for other in (high, low) if other != fp]
-        raise MetaMismatchError(fingerprint.mismatch(sides, ranks, "gloo"))
+    with guarded(kind, ranks):  # (the frame alone: its data follows in its own call)
+        inline.exchange(fp, ranks, get_group(ranks))
+
+
+def _inline(tensor: torch.Tensor, ranks: Ranks, kind: str) -> bool:
+    """Does this all-reduce or all-gather travel inside its fingerprint's frame (a small
+    CPU tensor of a rank set with no shared segment: `inline`)?"""
+    return (
+        fingerprint.ENABLED
+        and tensor.device.type == "cpu"
+        and inline.fits(tensor)
+        and tensor.dtype not in _GLOO_LACKS
+        and _segment(ranks, kind) is None
+    )
+
+
+def _all_reduce_inline(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
+    fp = fingerprint.of("all_reduce", tensor.dtype, _nbytes(tensor), op)
+    with guarded("all_reduce", ranks):
+        rows = inline.exchange(fp, ranks, get_group(ranks), tensor)
+    typed, parts = inline.parts(rows, tensor)
+    shm.reduce_in_rank_order(typed, parts, op, tensor.view(-1))
+    return tensor
 
 
 _host_backends: dict[Ranks, bool] = {}
@@ -269,6 +290,8 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
     segment = _shared_segment(tensor, ranks, "all_reduce")
     if segment is not None:  # one host: ~20 us instead of gloo's ~0.4-4 ms
         return segment.all_reduce(tensor, op)
+    if _inline(tensor, ranks, "all_reduce"):  # across hosts: one round trip, checked
+        return _all_reduce_inline(tensor, op, ranks)
     _agree("all_reduce", tensor, ranks, op)
     segment = None if tensor.dtype == torch.bool else _big_segment(tensor, ranks, "all_reduce")
     if segment is not None:  # up to 8 MiB on one host (a tensor-parallel block's output)
@@ -303,7 +326,11 @@ def all_reduce_async(tensor: torch.Tensor, op: str, ranks: Ranks) -> Pending:
     """Start summing `tensor` in place over `ranks`; the caller waits on the result."""
     if op != "sum":
         raise ValueError("all_reduce_async sums (max/min keep NaN through all_reduce)")
-    if len(ranks) == 1 or tensor.dtype in _GLOO_LACKS:  # (the latter reduced wider, at once)
+    if (
+        len(ranks) == 1
+        or tensor.dtype in _GLOO_LACKS  # (reduced wider, at once)
+        or _inline(tensor, ranks, "all_reduce")  # (one round trip, at once)
+    ):
         return Pending(None, all_reduce(tensor, op, ranks), "all_reduce", ranks)
     stats.record("all_reduce", cost.all_reduce_bytes(len(ranks), _nbytes(tensor)))
     _agree("all_reduce", tensor, ranks, op)

@@ -13,12 +13,14 @@ the bytes of one row). The ranks compare them before any data is read:
 - a gloo collective of a rank set that has a shared segment first meets the others in
   the segment with its fingerprint alone (~10-20 us, against the ~0.1-10 ms of the
   collective), so a small call paired with a large one is caught too;
-- across hosts (no shared segment) a 2-element all-reduce of the fingerprint comes
-  first (one small gloo call more).
+- across hosts (no shared segment) every gloo collective starts with a fixed-size
+  frame holding the fingerprint, and the data itself where it fits (`inline`): a small
+  all-reduce or all-gather is then that one call; a larger one follows its frame.
 
 A mismatch raises `MetaMismatchError` on every rank, naming each side, before any data
 moves. Not checked: point-to-point moves between placements (`exchange_p2p`), CUDA
-tensors (NCCL: the check would synchronise the host with every collective), object
+tensors across hosts (NCCL: checked in the segment on one host; across hosts a gloo
+round trip per collective would cost more than the collective), object
 gathers (`all_gather_object` of checkpoints and metadata fallbacks) and collectives
 torch itself runs (DCP, torch DDP). `SBP_CHECK_COLLECTIVES=0` turns the check off.
 """

@@ -150,18 +150,7 @@ class Segment:
         """`tensor` (contiguous, CPU, at most SLOT_BYTES) reduced over the set, in place."""
         nbytes = tensor.numel() * tensor.element_size()
         rows, parts = self._exchange(tensor, fingerprint.of("all_reduce", tensor.dtype, nbytes, op))
-        flat = tensor.view(-1)
-        if op == "sum":  # in rank order on every rank: the same bits everywhere
-            if len(parts) == 2:
-                torch.add(parts[0], parts[1], out=flat)
-            else:
-                flat.copy_(parts[0])
-                for part in parts[1:]:
-                    flat.add_(part)
-        elif op == "max":
-            torch.amax(rows, 0, out=flat)  # (amax and amin keep NaN)
-        else:
-            torch.amin(rows, 0, out=flat)
+        reduce_in_rank_order(rows, parts, op, tensor.view(-1))
         return tensor
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
@@ -295,6 +284,22 @@ class Segment:
                 self.acks[self.me, k] = fps[k]
         _marked.remove(self)
         self.failed[self.me] = 0
+
+
+def reduce_in_rank_order(rows: torch.Tensor, parts: list, op: str, out: torch.Tensor) -> None:
+    """Every rank's part (`rows`, and one by one) reduced into `out` in rank order on every
+    rank: the same bits everywhere."""
+    if op == "sum":
+        if len(parts) == 2:
+            torch.add(parts[0], parts[1], out=out)
+        else:
+            out.copy_(parts[0])
+            for part in parts[1:]:
+                out.add_(part)
+    elif op == "max":
+        torch.amax(rows, 0, out=out)  # (amax and amin keep NaN)
+    else:
+        torch.amin(rows, 0, out=out)
 
 
 _marked: list[Segment] = []  # the segments holding this rank's failure mark
