@@ -286,9 +286,20 @@ def _sbp_runner(base, x_log, y_log, world: int) -> Runner:
             mod._parameters[pname] = torch.nn.Parameter(value, requires_grad=True)
     x = sbp.tensor(x_log, placement=P, sbp=batch)
     y = sbp.tensor(y_log, placement=P, sbp=batch)
-    # (the softmax attention's causal mask, made with torch.ones in forward, is global)
-    context = lambda: sbp.global_mode(P)  # noqa: E731
-    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()), context=context)
+    return Runner(
+        model, x, y, loss_value=lambda loss: float(loss.full_tensor()), context=_context(base, P)
+    )
+
+
+def _context(base: torch.nn.Module, P):
+    """sbp.global_mode where the model makes a tensor in forward: the softmax attention's
+    causal mask (torch.ones), made global there. (A mode sees every torch call of the
+    forward, ~0.5 ms a step here: not entered where nothing needs it.)"""
+    import sbp
+
+    if any(getattr(m, "kind", None) == "softmax" for m in base.modules()):
+        return lambda: sbp.global_mode(P)
+    return None
 
 
 def _dp_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -619,9 +630,9 @@ def _sbp_plan_runner(base, x_log, y_log, world: int) -> Runner:
     model = sbp.nn.parallelize(copy.deepcopy(base), plan, P)
     x = sbp.tensor(x_log, placement=P, sbp=batch)
     y = sbp.tensor(y_log, placement=P, sbp=batch)
-    # (the softmax attention's causal mask, made with torch.ones in forward, is global)
-    context = lambda: sbp.global_mode(P)  # noqa: E731
-    return Runner(model, x, y, loss_value=lambda loss: float(loss.full_tensor()), context=context)
+    return Runner(
+        model, x, y, loss_value=lambda loss: float(loss.full_tensor()), context=_context(base, P)
+    )
 
 
 def _make(method, base, x, y, world, groups):

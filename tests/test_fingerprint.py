@@ -34,6 +34,7 @@ def _swapped_reductions(numel_a: int, numel_b: int, shared_memory: bool) -> tupl
     shm._ENABLED = shared_memory
     try:
         ranks = tuple(range(sbp.env.get_world_size()))
+        collectives.all_reduce(torch.ones(300_000), "sum", ranks)  # (the large segment made)
         a, b = torch.ones(numel_a), torch.ones(numel_b)
         first, second = (a, b) if sbp.env.get_rank() == 0 else (b, a)
 
@@ -44,6 +45,11 @@ def _swapped_reductions(numel_a: int, numel_b: int, shared_memory: bool) -> tupl
         message, seconds = _raises_mismatch(run)
         assert torch.equal(a, torch.ones(numel_a)) and torch.equal(b, torch.ones(numel_b))
         collectives.all_reduce(torch.ones(3), "sum", ranks)  # the ranks are in step again
+        for value in (2.0, 3.0):  # (both slots of the large segment: in step there too)
+            large = torch.full((300_000,), value * (sbp.env.get_rank() + 1))
+            collectives.all_reduce(large, "sum", ranks)
+            n = len(ranks)
+            assert torch.equal(large, torch.full_like(large, value * n * (n + 1) / 2))
         return message, seconds
     finally:
         shm._ENABLED = saved

@@ -171,12 +171,19 @@ def test_a_step_that_raises_puts_everything_back(swaps):
     _assert_same(plain, glob, popt, gopt)
 
 
+class _SGDOfItsOwn(torch.optim.SGD):
+    """A subclass may compute otherwise: not taken as elementwise."""
+
+
 def test_steps_that_stay_global(swaps):
-    """A closure (it runs backward) and a group with a parameter that is not broadcast
-    step on the global tensors, and still equal plain torch."""
+    """A closure (it runs backward) and a group with a parameter that is not broadcast,
+    for an optimizer not known to be elementwise, step on the global tensors, and still
+    equal plain torch. (Split parameters of elementwise optimizers step on their locals:
+    test_optim_step_split.py.)"""
     plain, glob = _models()
     glob.b.weight = torch.nn.Parameter(glob.b.weight.to_global(sbp=sbp.split(0)))
-    popt, gopt = OPTIMIZERS["sgd"](plain.parameters()), OPTIMIZERS["sgd"](glob.parameters())
+    popt = _SGDOfItsOwn(plain.parameters(), lr=0.05, momentum=0.9)
+    gopt = _SGDOfItsOwn(glob.parameters(), lr=0.05, momentum=0.9)
     batches = _batches(3)
     _train(plain, popt, batches)
     _train(glob, gopt, batches)
@@ -343,7 +350,9 @@ def test_kept_group_swaps_follow_changes_between_steps(swaps, monkeypatch):
     made = []
     of = optim_step._GroupSwap.of
     monkeypatch.setattr(
-        optim_step._GroupSwap, "of", staticmethod(lambda g, st: made.append(1) or of(g, st))
+        optim_step._GroupSwap,
+        "of",
+        staticmethod(lambda g, st, *rest: made.append(1) or of(g, st, *rest)),
     )
     plain, glob, popt, gopt = _pair("sgd")
     batches = _batches(8)

@@ -215,6 +215,25 @@ def _big_segment(tensor: torch.Tensor, ranks: Ranks, kind: str) -> shm.Segment |
         return shm.big_segment(ranks, get_group(ranks))
 
 
+def _met_big(
+    kind: str, tensor: torch.Tensor, ranks: Ranks, op: str | None = None
+) -> tuple[shm.Segment | None, shm.Segment | None]:
+    """(the large segment for this collective or None: gloo, the small segment its call
+    meets through, or None where it met already). Once the large segment is settled, a
+    call meets the others once, in the small segment, with its fingerprint, while its
+    data waits in the large one (before: a meeting in the small segment, then one in the
+    large: two waits). The first call meets first, as any gloo call, before the
+    collective that makes the large segment."""
+    group = get_group(ranks)
+    if shm.usable_big(tensor) and shm.big_ready(ranks, group):
+        big = shm.big_segment(ranks, group)
+        small = _segment(ranks, kind)
+        if big is not None and small is not None:
+            return big, small
+    _agree(kind, tensor, ranks, op)
+    return _big_segment(tensor, ranks, kind), None
+
+
 def _agree(
     kind: str, tensor: torch.Tensor, ranks: Ranks, op: str | None = None, nbytes: int = -1
 ) -> None:
@@ -292,10 +311,12 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
         return segment.all_reduce(tensor, op)
     if _inline(tensor, ranks, "all_reduce"):  # across hosts: one round trip, checked
         return _all_reduce_inline(tensor, op, ranks)
-    _agree("all_reduce", tensor, ranks, op)
-    segment = None if tensor.dtype == torch.bool else _big_segment(tensor, ranks, "all_reduce")
+    if tensor.dtype == torch.bool:
+        segment, via = None, _agree("all_reduce", tensor, ranks, op)
+    else:
+        segment, via = _met_big("all_reduce", tensor, ranks, op)
     if segment is not None:  # up to 8 MiB on one host (a tensor-parallel block's output)
-        return segment.all_reduce(tensor, op)
+        return segment.all_reduce(tensor, op, via)
     work, back = _reducible(tensor, op)
     with guarded("all_reduce", ranks):
         dist.all_reduce(work, op=REDUCE_OPS[op], group=get_group(ranks))
@@ -347,10 +368,9 @@ def all_gather_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) ->
     stats.record("all_gather", cost.all_gather_bytes(len(ranks), _nbytes(input)))
     # (the fingerprint first in the small segment, where every rank meets whichever path
     # its next collective takes: a rank taking gloo there is named, not waited for)
-    _agree("all_gather", input, ranks)
-    segment = _big_segment(input, ranks, "all_gather")
+    segment, via = _met_big("all_gather", input, ranks)
     if segment is not None:  # (one host: at once, at memcpy speed)
-        return Pending(None, segment.all_gather(output, input), "all_gather", ranks)
+        return Pending(None, segment.all_gather(output, input, via), "all_gather", ranks)
     with guarded("all_gather", ranks):
         work = _all_gather_single(
             _moved(output).view(-1), _moved(input), group=get_group(ranks), async_op=True
@@ -373,12 +393,10 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, ranks: Ranks
     # (as in all_gather_async: the fingerprint meets first, once per call, on every rank
     # alike: the same sizes, the same segment)
     agreed = shm.usable_big(input)
-    if agreed:
-        _agree("reduce_scatter", input, ranks, "sum")
-    segment = _big_segment(input, ranks, "reduce_scatter") if agreed else None
+    segment, via = _met_big("reduce_scatter", input, ranks, "sum") if agreed else (None, None)
     if segment is not None:  # (one host: at once, at memcpy speed)
         stats.record("reduce_scatter", cost.reduce_scatter_bytes(len(ranks), _nbytes(input)))
-        return Pending(None, segment.reduce_scatter(output, input), "reduce_scatter", ranks)
+        return Pending(None, segment.reduce_scatter(output, input, via), "reduce_scatter", ranks)
     if input.device.type == "cpu":
         n = len(ranks)
         chunks = torch.empty_like(input).view(n, -1)

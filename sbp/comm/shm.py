@@ -9,7 +9,8 @@ rank order, so every rank holds bitwise the same result (~20 us for two ranks). 
 metadata exchange of `to_global` (a small all-gather) takes the same path.
 
 Used for CPU tensors of at most `SLOT_BYTES` (and, in a second segment with larger slots,
-of up to `BIG_SLOT_BYTES`, each call after a fingerprint meeting in the first segment)
+of up to `BIG_SLOT_BYTES`, its data written there and its fingerprint met in the first
+segment, in one wait)
 whose group runs on one host, on x86-64
 (stores become visible to other cores in program order there; elsewhere gloo is used),
 and never while tracing. The wait is bounded by sbp's timeout, and a peer that exits is
@@ -96,7 +97,10 @@ class Segment:
         self.others = [k for k in range(n) if k != self.me]
         self._view_cache: dict = {}
         self.calls = 0
-        self.spins = SPINS if len(os.sched_getaffinity(0)) >= n else 0  # oversubscribed: yield
+        # (busy checks only where every process of the job on this host has a core: a
+        # spinning pair of ranks would take the cores of the others, 2 x 2 on 2 cores)
+        host = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)  # (torchrun, sbp's launcher)
+        self.spins = SPINS if len(os.sched_getaffinity(0)) >= max(n, host) else 0
 
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple:
         """(this rank's part, all parts as rows, each part) of slot `parity` as `dtype`,
@@ -112,14 +116,26 @@ class Segment:
             views = self._view_cache[key] = (parts[self.me], rows, parts)
         return views
 
-    def _exchange(self, tensor: torch.Tensor, fp: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _exchange(
+        self, tensor: torch.Tensor, fp: int, via: Segment | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every rank's `tensor`: as rows in ascending rank order, and one by one (views of
-        the slots, valid until the call after next)."""
+        the slots, valid until the call after next). With `via` (the rank set's small
+        segment, for the large one) the ranks meet there, with the fingerprint, in the
+        one wait: each reads these slots before its next call there, so a slot is still
+        rewritten only after every rank read it."""
         self.calls += 1
         n = self.calls
         mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
         mine.copy_(tensor.view(-1))
-        self._meet(n, fp)
+        if via is None:
+            self._meet(n, fp)
+            return rows, parts
+        try:
+            via.agree(fp)
+        except BaseException:  # (no call here: a peer may not have come to this segment)
+            self.calls -= 1
+            raise
         return rows, parts
 
     def agree(self, fp: int) -> None:
@@ -146,26 +162,31 @@ class Segment:
                 out_of_step(self.ranks)
                 raise MetaMismatchError(fingerprint.mismatch(sides, self.ranks, "shared memory"))
 
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """`tensor` (contiguous, CPU, at most SLOT_BYTES) reduced over the set, in place."""
+    def all_reduce(self, tensor: torch.Tensor, op: str, via: Segment | None = None) -> torch.Tensor:
+        """`tensor` (contiguous, CPU, at most the slot's bytes) reduced over the set, in place."""
         nbytes = tensor.numel() * tensor.element_size()
-        rows, parts = self._exchange(tensor, fingerprint.of("all_reduce", tensor.dtype, nbytes, op))
+        fp = fingerprint.of("all_reduce", tensor.dtype, nbytes, op)
+        rows, parts = self._exchange(tensor, fp, via)
         reduce_in_rank_order(rows, parts, op, tensor.view(-1))
         return tensor
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, via: Segment | None = None
+    ) -> torch.Tensor:
         """Every rank's `input` stacked in ascending rank order into `output`."""
         nbytes = input.numel() * input.element_size()
-        rows, _ = self._exchange(input, fingerprint.of("all_gather", input.dtype, nbytes))
+        rows, _ = self._exchange(input, fingerprint.of("all_gather", input.dtype, nbytes), via)
         output.view(len(self.ranks), -1).copy_(rows)
         return output
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, via: Segment | None = None
+    ) -> torch.Tensor:
         """This rank's chunk of the sum of every rank's `input` (n equal chunks along dim 0),
         summed in ascending rank order (the same sums on every rank)."""
         nbytes = input.numel() * input.element_size()
         rows, _ = self._exchange(
-            input, fingerprint.of("reduce_scatter", input.dtype, nbytes, "sum")
+            input, fingerprint.of("reduce_scatter", input.dtype, nbytes, "sum"), via
         )
         n = len(self.ranks)
         mine = rows.view(n, n, -1)[:, self.me]
@@ -463,6 +484,12 @@ def usable(tensor: torch.Tensor) -> bool:
 def ready(ranks: tuple[int, ...], group) -> bool:
     """Was the rank set's segment (or its absence) settled for `group` already?"""
     known = _segments.get(ranks)
+    return known is not None and known[0] is group
+
+
+def big_ready(ranks: tuple[int, ...], group) -> bool:
+    """Was the rank set's large segment (or its absence) settled for `group` already?"""
+    known = _big_segments.get(ranks)
     return known is not None and known[0] is group
 
 

@@ -482,8 +482,11 @@ def _decide(
     per_dim, write_back = _per_dim_candidates(func, candidates, specs[0])
     P = specs[0].placement
     backward = torch._C._current_autograd_node() is not None  # (noted in the cache key)
+    strided = any(s.is_strided for c in candidates for s in c.outputs)
     best, best_cost = None, None
     for combo in itertools.product(*per_dim):
+        if strided and not _one_strided_kind(combo):
+            continue
         req = tuple(
             s._replace(nd_sbp=tuple(c.inputs[j] for c in combo)) for j, s in enumerate(specs)
         )
@@ -554,6 +557,16 @@ def _decide(
         is_view(func),
         pads,
     )
+
+
+def _one_strided_kind(combo: tuple) -> bool:
+    """Does each output hold at most one kind of strided split (a signature means the
+    layout of one unflattened tensor: `sbp.layout.unflattened`)?"""
+    for k in range(len(combo[0].outputs)):
+        kinds = {c.outputs[k] for c in combo if c.outputs[k].is_strided}
+        if len(kinds) > 1:
+            return False
+    return True
 
 
 def decision_for(
