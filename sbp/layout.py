@@ -13,7 +13,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from sbp.errors import InputTypeError, InputValueError, PlacementError
+from sbp.errors import InputTypeError, InputValueError, PlacementError, SbpSignatureError
 from sbp.placement import index_of_coord
 from sbp.placement import placement as Placement
 from sbp.signature import NdSbp, Split, StridedSplit, normalize_nd_sbp
@@ -58,7 +58,11 @@ def local_ranges(
     ranges = [(0, int(d)) for d in shape]
     for h, s in enumerate(nd_sbp):
         if s.is_strided:
-            raise ValueError(f"a strided split holds no range of the logical tensor: {nd_sbp}")
+            raise SbpSignatureError(
+                f"a tensor laid out as {nd_sbp} (a split dim flattened behind whole ones) "
+                "holds no range of the logical tensor here; convert it first: "
+                "x.to_global(sbp=...) with split, broadcast or partial"
+            )
         if s.is_split:
             start, stop = ranges[s.dim]
             a, b = balanced_range(stop - start, hierarchy[h], coord[h])

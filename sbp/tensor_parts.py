@@ -19,6 +19,7 @@ import torch
 
 from sbp import env
 from sbp.errors import MetaMismatchError, SbpSignatureError
+from sbp.layout import strided_of, unflattened
 from sbp.signature import Partial, format_nd_sbp
 
 if TYPE_CHECKING:
@@ -80,8 +81,11 @@ def copy_plain_value(g: GlobalTensor, src: torch.Tensor, non_blocking: bool) -> 
     if any(s == Partial("sum") and c != 0 for s, c in zip(g.sbp, coord, strict=True)):
         g._local.zero_()
     else:
-        part = src[tuple(slice(a, b) for a, b in g._spec.ranges(me))]
-        g._local.copy_(part, non_blocking=non_blocking)
+        spec = g._spec
+        if strided_of(spec.nd_sbp) is not None:  # (its part of the unflattened value)
+            spec, src = unflattened(spec), src.reshape(unflattened(spec).shape)
+        part = src[tuple(slice(a, b) for a, b in spec.ranges(me))]
+        g._local.copy_(part.reshape(g._local.shape), non_blocking=non_blocking)
     return g
 
 

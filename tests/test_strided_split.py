@@ -168,3 +168,64 @@ def test_a_strided_split_is_not_asked_for(pool2):
     """Views make it; an sbp argument naming one is refused, on every rank."""
     for msg in pool2.run(_asked_for, 0):
         assert "made by views" in msg
+
+
+def _two_splits_flattened() -> tuple:
+    """(2, 4, 4, 3) split along dims 1 and 2 (hierarchy dims 0 and 1), flattened to
+    (32, 3): two strided splits of one dim would be two blocks sizes, which no single
+    unflattened tensor means; one is converted instead."""
+    Pl = _placement(True)
+    x = torch.arange(96, dtype=torch.float64).view(2, 4, 4, 3)
+    g = sbp.tensor(x, placement=Pl, sbp=(sbp.split(1), sbp.split(2)))
+    y = g.reshape(32, 3)
+    return y.sbp, y.full_tensor()
+
+
+def test_two_split_dims_flattened_together(pool4):
+    x = torch.arange(96, dtype=torch.float64).view(32, 3)
+    for nd, value in pool4.run(_two_splits_flattened):
+        assert len({s for s in nd if s.is_strided}) <= 1
+        torch.testing.assert_close(value, x, **TOL)
+
+
+def _written_through_a_strided_view(two_d: bool) -> tuple:
+    """y = x.view(16, 3) is strided; y.mul_(2) and y[0] = 7 write x."""
+    Pl, x, _ = _flattened(two_d)
+    g = sbp.tensor(x, placement=Pl, sbp=(S0, S1) if two_d else (S1,))
+    y = g.view(16, 3)
+    y.mul_(2)
+    y[0] = 7.0
+    return y.full_tensor(), g.full_tensor()
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_writes_through_a_strided_view_reach_its_base(pool4, two_d):
+    x = torch.arange(48, dtype=torch.float64).view(4, 4, 3)
+    want = x * 2
+    want.view(16, 3)[0] = 7.0
+    results = pool4.run(_written_through_a_strided_view, two_d)
+    for y, base in results if two_d else results[:2]:
+        torch.testing.assert_close(y, want.view(16, 3), **TOL)
+        torch.testing.assert_close(base, want, **TOL)
+
+
+def _filled_through_a_strided_view() -> tuple:
+    """copy_ of a plain (logical) value, and normal_ (placement-independent values: equal
+    to a broadcast tensor's under the same seed)."""
+    Pl, x, _ = _flattened(False)
+    y = sbp.tensor(x, placement=Pl, sbp=S1).reshape(16, 3)
+    y.copy_(torch.arange(48, dtype=torch.float64).view(16, 3) * 3)
+    copied = y.full_tensor()
+    sbp.manual_seed(5)
+    torch.nn.init.normal_(y)
+    sbp.manual_seed(5)
+    z = torch.nn.init.normal_(sbp.zeros(16, 3, dtype=torch.float64, placement=Pl, sbp=B))
+    return y.sbp, copied, y.full_tensor(), z.full_tensor()
+
+
+def test_filling_a_strided_view(pool2):
+    x = torch.arange(48, dtype=torch.float64).view(16, 3)
+    for nd, copied, drawn, broadcast_drawn in pool2.run(_filled_through_a_strided_view):
+        assert nd == (StridedSplit(0, 4),)
+        torch.testing.assert_close(copied, x * 3, **TOL)
+        torch.testing.assert_close(drawn, broadcast_drawn, **TOL)

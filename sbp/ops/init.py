@@ -16,7 +16,7 @@ import torch
 
 from sbp import env
 from sbp import random as sbp_random
-from sbp.layout import GlobalSpec
+from sbp.layout import GlobalSpec, strided_of, unflattened
 from sbp.ops.pointwise import nonlinear
 from sbp.ops.registry import register, register_strategy
 from sbp.ops.writes import assign
@@ -34,7 +34,10 @@ def _seed(op: str, generator: torch.Generator | None) -> int:
 
 
 def logical_indices(spec: GlobalSpec, rank: int) -> torch.Tensor:
-    """Row-major logical index of every element of `rank`'s local tensor (int64)."""
+    """Row-major logical index of every element of `rank`'s local tensor (int64). (A
+    strided split's: those of its unflattened tensor, in the same row-major order.)"""
+    if strided_of(spec.nd_sbp) is not None:
+        return logical_indices(unflattened(spec), rank).reshape(spec.local_shape(rank))
     idx = torch.zeros((), dtype=torch.int64)
     stride = 1
     strides = []

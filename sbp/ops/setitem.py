@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from sbp.errors import PlacementError
+from sbp.layout import strided_of
 from sbp.ops import registry
 from sbp.ops.arguments import as_broadcast
 from sbp.ops.writes import write_part, written
@@ -49,8 +50,8 @@ def setitem(g, index: Any, value: Any) -> bool:
     grads = torch.is_grad_enabled() and (
         g.requires_grad or (isinstance(value, torch.Tensor) and value.requires_grad)
     )
-    if items is None or grads:
-        return False
+    if items is None or grads or strided_of(g._spec.nd_sbp) is not None:
+        return False  # (a strided split holds no range: torch's path converts it)
     if isinstance(value, GlobalTensor):
         if value.placement != g.placement:
             raise PlacementError(

@@ -21,7 +21,9 @@ from sbp import env
 from sbp.boxing import box
 from sbp.comm.functional import tracing
 from sbp.errors import SbpSignatureError
+from sbp.layout import strided_of, unflattened
 from sbp.ranges import COPIED_VIEWS, forget_range, global_writes
+from sbp.signature import broadcast
 from sbp.tensor import GlobalTensor
 
 aten = torch.ops.aten
@@ -298,9 +300,29 @@ def write_part(g, items: list, value: Any) -> None:
     me = env.get_rank()
     if me not in g.placement:
         return
+    if strided_of(g._spec.nd_sbp) is not None:
+        _write_strided(g, items, value)
+        return
     coord = g.placement.coord(me)
     summed = [c for c, s in zip(coord, g.sbp, strict=True) if s.is_partial and s.op == "sum"]
     _write_local_part(g, items, value if not any(summed) else 0)
+
+
+def _write_strided(g, items: list, value: Any) -> None:
+    """A strided split holds no range of the logical tensor (`sbp.layout.unflattened`): its
+    logical value is gathered, written, and each rank takes its part back (rare: such a
+    layout lives between a flattening view and the product that reads it)."""
+    if any(s.is_partial for s in g._spec.nd_sbp):
+        raise SbpSignatureError(
+            f"writing into a tensor laid out as {g._spec.nd_sbp}: convert it first "
+            "(x.to_global(sbp=...) with split or broadcast)"
+        )
+    spec = g._spec
+    whole = box(g._local, spec, spec._replace(nd_sbp=(broadcast,) * len(spec.nd_sbp))).clone()
+    whole[tuple(items)] = torch.as_tensor(value, dtype=g.dtype, device=whole.device)
+    u = unflattened(spec)
+    part = whole.reshape(u.shape)[tuple(slice(a, b) for a, b in u.ranges(env.get_rank()))]
+    g._local.copy_(part.reshape(g._local.shape))
 
 
 def _write_nothing(local: torch.Tensor, value: torch.Tensor) -> None:
