@@ -174,6 +174,30 @@ def _small_and_large_across_hosts() -> list:
     return out
 
 
+def _first_frame_in_inference_mode() -> list:
+    """A rank set's first frame made inside inference_mode (an evaluation before
+    training), then collectives outside it: the cached frames must serve both."""
+    saved, frames = shm._ENABLED, dict(inline._frames)
+    shm._ENABLED = False
+    inline._frames.clear()
+    try:
+        ranks = tuple(range(sbp.env.get_world_size()))
+        with torch.inference_mode():
+            inside = collectives.all_reduce(torch.ones(3), "sum", ranks)
+        outside = collectives.all_reduce(torch.ones(3), "sum", ranks)
+        return [inside.tolist(), outside.tolist()]
+    finally:
+        shm._ENABLED = saved
+        inline._frames.clear()
+        inline._frames.update(frames)
+
+
+def test_frames_made_in_inference_mode_serve_later_calls(pool2):
+    """(Before: every later collective raised torch's "Inplace update to inference tensor
+    outside InferenceMode".)"""
+    assert pool2.run(_first_frame_in_inference_mode) == [[[2.0] * 3] * 2] * 2
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_small_gloo_collectives_carry_their_fingerprint_inside(world, pool2, pool4):
     """Across hosts (no shared segment) a small all-reduce or all-gather is one gloo call,

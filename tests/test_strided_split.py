@@ -229,3 +229,23 @@ def test_filling_a_strided_view(pool2):
         assert nd == (StridedSplit(0, 4),)
         torch.testing.assert_close(copied, x * 3, **TOL)
         torch.testing.assert_close(drawn, broadcast_drawn, **TOL)
+
+
+def _dropped_out() -> tuple:
+    """Dropout (and bernoulli_) on a strided tensor: each rank's heads draw their own mask."""
+    Pl = _placement(False)
+    g = sbp.tensor(torch.ones(2, 4, 3, dtype=torch.float64), placement=Pl, sbp=S1)
+    y = g.reshape(8, 3)
+    dropped = torch.nn.functional.dropout(y, 0.5).full_tensor().view(2, 4, 3)
+    drawn = y.clone().bernoulli_(0.5).full_tensor().view(2, 4, 3)
+    return y.sbp, dropped, drawn
+
+
+def test_dropout_on_a_strided_tensor_draws_per_shard(pool2):
+    """Before, a strided hierarchy dim seeded as broadcast: both ranks' heads drew the
+    same mask."""
+    for nd, dropped, drawn in pool2.run(_dropped_out):
+        assert nd == (StridedSplit(0, 4),)
+        assert set(dropped.unique().tolist()) <= {0.0, 2.0}
+        assert not torch.equal(dropped[:, :2], dropped[:, 2:])
+        assert not torch.equal(drawn[:, :2], drawn[:, 2:])

@@ -70,8 +70,9 @@ def _buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     results are read before the next call writes them: collectives are blocking)."""
     bufs = _frames.get(n)
     if bufs is None:
-        bufs = _frames[n] = (
-            torch.zeros(FRAME_BYTES, dtype=torch.uint8),
-            torch.empty(n * FRAME_BYTES, dtype=torch.uint8),
-        )
+        with torch.inference_mode(False):  # (kept: usable outside inference_mode too)
+            bufs = _frames[n] = (
+                torch.zeros(FRAME_BYTES, dtype=torch.uint8, device="cpu"),
+                torch.empty(n * FRAME_BYTES, dtype=torch.uint8, device="cpu"),
+            )
     return bufs

@@ -423,13 +423,14 @@ def nested_from_mask(func, args, kwargs):
 
 def shard_seed(placement, nd_sbp: tuple) -> int:
     """The seed of this rank's random draws for a tensor laid out as `nd_sbp`, taken from
-    sbp's stream (every rank takes one): keyed by its coordinates on the split hierarchy dims
-    (0 elsewhere), so ranks holding the same data draw the same values. The data-parallel
+    sbp's stream (every rank takes one): keyed by its coordinates on the split hierarchy dims,
+    strided splits included (0 elsewhere), so ranks holding the same data draw the same values. The data-parallel
     fast path's local run draws its dropout masks from it too."""
     if env.get_rank() not in placement:
         return draw_seed(None)
     coord = placement.coord(env.get_rank())
-    return draw_seed(tuple(c if s.is_split else 0 for c, s in zip(coord, nd_sbp, strict=True)))
+    held = (c if s.is_split or s.is_strided else 0 for c, s in zip(coord, nd_sbp, strict=True))
+    return draw_seed(tuple(held))
 
 
 def shard_generator(placement, nd_sbp: tuple, device) -> torch.Generator:
