@@ -338,10 +338,11 @@ def announce_failure(error: BaseException, ranks: tuple[int, ...]) -> None:
     nothing on the collectives' path (one check of a list). Peers blocked inside gloo (no
     segment: another host, SBP_SHM=0) are not reached: they wait out the timeout as before."""
     within = set(ranks)
+    # (small segments only: every call of a large one meets in its rank set's small one,
+    # first, so the mark is seen and settled there; a mark in the large one would wait
+    # for answers no peer gives)
     segments = {
-        id(s): s
-        for _, s in (*_segments.values(), *_big_segments.values())
-        if s is not None and within.issuperset(s.ranks)
+        id(s): s for _, s in _segments.values() if s is not None and within.issuperset(s.ranks)
     }
     if not segments:
         return
