@@ -311,8 +311,9 @@ def all_reduce(tensor: torch.Tensor, op: str, ranks: Ranks) -> torch.Tensor:
         return segment.all_reduce(tensor, op)
     if _inline(tensor, ranks, "all_reduce"):  # across hosts: one round trip, checked
         return _all_reduce_inline(tensor, op, ranks)
-    if tensor.dtype == torch.bool:
-        segment, via = None, _agree("all_reduce", tensor, ranks, op)
+    if tensor.dtype == torch.bool:  # (never in a segment: gloo, after the meeting)
+        _agree("all_reduce", tensor, ranks, op)
+        segment = via = None
     else:
         segment, via = _met_big("all_reduce", tensor, ranks, op)
     if segment is not None:  # up to 8 MiB on one host (a tensor-parallel block's output)

@@ -423,9 +423,10 @@ def nested_from_mask(func, args, kwargs):
 
 def shard_seed(placement, nd_sbp: tuple) -> int:
     """The seed of this rank's random draws for a tensor laid out as `nd_sbp`, taken from
-    sbp's stream (every rank takes one): keyed by its coordinates on the split hierarchy dims,
-    strided splits included (0 elsewhere), so ranks holding the same data draw the same values. The data-parallel
-    fast path's local run draws its dropout masks from it too."""
+    sbp's stream (every rank takes one): keyed by its coordinates on the split hierarchy
+    dims, strided splits included (0 elsewhere), so ranks holding the same data draw the
+    same values. The data-parallel fast path's local run draws its dropout masks from it
+    too."""
     if env.get_rank() not in placement:
         return draw_seed(None)
     coord = placement.coord(env.get_rank())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from sbp.layout import strided_of
 from sbp.ops.registry import Call, Strategy
 from sbp.signature import SBP, StridedSplit, split
 
@@ -39,10 +40,7 @@ def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple
 
 def strided_in(call: Call) -> StridedSplit | None:
     """The first input's strided split, if its signature holds one."""
-    for s in call.specs[0].nd_sbp:
-        if s.is_strided:
-            return s
-    return None
+    return strided_of(call.specs[0].nd_sbp)
 
 
 def reshape_candidates(call: Call, in_shape, out_shape) -> list[Strategy]:

@@ -21,10 +21,11 @@ from sbp import env
 from sbp.boxing import box
 from sbp.comm.functional import tracing
 from sbp.errors import SbpSignatureError
-from sbp.layout import strided_of, unflattened
+from sbp.layout import strided_of
 from sbp.ranges import COPIED_VIEWS, forget_range, global_writes
 from sbp.signature import broadcast
 from sbp.tensor import GlobalTensor
+from sbp.tensor_parts import copy_plain_value
 
 aten = torch.ops.aten
 
@@ -320,9 +321,7 @@ def _write_strided(g, items: list, value: Any) -> None:
     spec = g._spec
     whole = box(g._local, spec, spec._replace(nd_sbp=(broadcast,) * len(spec.nd_sbp))).clone()
     whole[tuple(items)] = torch.as_tensor(value, dtype=g.dtype, device=whole.device)
-    u = unflattened(spec)
-    part = whole.reshape(u.shape)[tuple(slice(a, b) for a, b in u.ranges(env.get_rank()))]
-    g._local.copy_(part.reshape(g._local.shape))
+    copy_plain_value(g, whole, non_blocking=False)
 
 
 def _write_nothing(local: torch.Tensor, value: torch.Tensor) -> None:
