@@ -20,11 +20,13 @@ class MetaMismatchError(SbpError, RuntimeError):
 class RankFailedError(MetaMismatchError):
     """Another rank raised an error (bad input) at a point where this rank went on into a
     collective with it; names that rank and its error. Every rank raises: none waits out
-    the timeout for a call its peer will never make."""
+    the timeout for a call its peer will never make. `ranks`: the ranks the failing rank
+    told (its call's), which this rank tells in turn: it skips the rest of its call too."""
 
-    def __init__(self, message: str, rank: int = -1):
+    def __init__(self, message: str, rank: int = -1, ranks: tuple[int, ...] = ()):
         super().__init__(message)
         self.rank = rank
+        self.ranks = ranks
 
 
 class DeviceMismatchError(SbpError, ValueError):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sbp
-from sbp.comm import collectives
+from sbp.comm import collectives, shm
 
 B, S0 = sbp.broadcast, sbp.split(0)
 
@@ -158,6 +158,19 @@ def _bad_argument_on_rank_one(bad: str, numel: int, everywhere: bool) -> tuple:
     )
 
 
+def _through(transport: str, fn, *args):
+    """`fn(*args)` on this rank with the shared segments (one host) or without them
+    (gloo alone, as between hosts: the peers wait inside gloo's frame, `inline`)."""
+    saved = shm._ENABLED
+    shm._ENABLED = saved and transport == "shared memory"
+    try:
+        return fn(*args)
+    finally:
+        shm._ENABLED = saved
+
+
+TRANSPORTS = ["shared memory", "gloo"]
+
 ERRORS = {
     "placement": "PlacementError",
     "sbp": "SbpSignatureError",
@@ -165,12 +178,17 @@ ERRORS = {
 }
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("bad", sorted(BAD_ARGUMENTS))
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_bad_argument_on_one_rank_is_named_on_every_rank_at_once(bad, world, pool2, pool4):
+def test_a_bad_argument_on_one_rank_is_named_on_every_rank_at_once(
+    bad, world, transport, pool2, pool4
+):
+    """Through gloo (no shared segment) the others wait inside the frame of the re-box's
+    first collective; before: they waited out the timeout there."""
     pool = pool2 if world == 2 else pool4
     for rank, (name, message, seconds, usable) in enumerate(
-        pool.run(_bad_argument_on_rank_one, bad, 6, False)
+        pool.run(_through, transport, _bad_argument_on_rank_one, bad, 6, False)
     ):
         if rank == 1:
             assert name == ERRORS[bad], message
@@ -182,41 +200,48 @@ def test_a_bad_argument_on_one_rank_is_named_on_every_rank_at_once(bad, world, p
         assert usable
 
 
-def test_a_bad_argument_is_named_before_a_collective_through_gloo(pool2):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_bad_argument_is_named_before_a_collective_through_gloo(transport, pool2):
     """A re-box of 1.2 MB per rank runs through gloo (or the large segment) after the
-    fingerprint's meeting in the small segment: the others raise at that meeting."""
+    fingerprint's meeting in the small segment, or in gloo's frame: the others raise at
+    that meeting."""
     for rank, (name, message, seconds, usable) in enumerate(
-        pool2.run(_bad_argument_on_rank_one, "sbp", 300_000, False)
+        pool2.run(_through, transport, _bad_argument_on_rank_one, "sbp", 300_000, False)
     ):
         assert name == ("SbpSignatureError" if rank == 1 else "RankFailedError"), message
         assert seconds < 10 and usable
 
 
-def _bad_factory_argument_on_rank_one() -> tuple:
-    """A factory of a layout no rank made before (its first use exchanges the layout):
-    rank 1 passes a bad sbp, the others a good one; then every rank makes it again. (A
-    collective first: the marks live in the rank set's shared segment, made by its first
-    collective.)"""
+def _bad_factory_argument_on_rank_one(columns: int) -> tuple:
+    """A factory of a layout no rank made before (its first use exchanges the layout; a
+    `columns` of its own per test): rank 1 passes a bad sbp, the others a good one; then
+    every rank makes it again. (A collective first: the marks live in the rank set's
+    shared segment, or are written for its next frame, made by its first collective.)"""
     P = sbp.placement.all("cpu")
     sbp.ones(2, placement=P, sbp=B).to_global(P, S0).full_tensor()
     start = time.monotonic()
     try:
         layout = sbp.split(7) if sbp.env.get_rank() == 1 else S0
-        sbp.ones(5, 3, placement=P, sbp=layout)
+        sbp.ones(5, columns, placement=P, sbp=layout)
         name, message = "no error", ""
     except sbp.SbpError as e:
         name, message = type(e).__name__, str(e)
     seconds = time.monotonic() - start
-    again = sbp.ones(5, 3, placement=P, sbp=S0).full_tensor()
-    return name, message, seconds, torch.equal(again, torch.ones(5, 3))
+    again = sbp.ones(5, columns, placement=P, sbp=S0).full_tensor()
+    return name, message, seconds, torch.equal(again, torch.ones(5, columns))
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_bad_factory_argument_on_one_rank_is_named_on_every_rank_at_once(world, pool2, pool4):
+def test_a_bad_factory_argument_on_one_rank_is_named_on_every_rank_at_once(
+    world, transport, pool2, pool4
+):
     """Before: the others waited in the layout's exchange for the full timeout."""
     pool = pool2 if world == 2 else pool4
     for rank, (name, message, seconds, usable) in enumerate(
-        pool.run(_bad_factory_argument_on_rank_one)
+        pool.run(
+            _through, transport, _bad_factory_argument_on_rank_one, TRANSPORTS.index(transport) + 3
+        )
     ):
         if rank == 1:
             assert name == "SbpSignatureError", message
@@ -227,9 +252,12 @@ def test_a_bad_factory_argument_on_one_rank_is_named_on_every_rank_at_once(world
         assert usable
 
 
-def test_the_same_bad_argument_on_every_rank_raises_it_alone(pool2):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_same_bad_argument_on_every_rank_raises_it_alone(transport, pool2):
     """Every rank raised at the same call: none names another, and the next call meets."""
-    for name, message, seconds, usable in pool2.run(_bad_argument_on_rank_one, "sbp", 6, True):
+    for name, message, seconds, usable in pool2.run(
+        _through, transport, _bad_argument_on_rank_one, "sbp", 6, True
+    ):
         assert name == "SbpSignatureError", message
         assert seconds < 1 and usable
 
@@ -251,8 +279,9 @@ def _retried_on_error() -> tuple:
     return errors, y.to_local().tolist()
 
 
-def test_the_ranks_meet_again_after_a_bad_argument_on_one_rank(pool2):
-    for rank, (errors, values) in enumerate(pool2.run(_retried_on_error)):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_ranks_meet_again_after_a_bad_argument_on_one_rank(transport, pool2):
+    for rank, (errors, values) in enumerate(pool2.run(_through, transport, _retried_on_error)):
         assert errors == (["SbpSignatureError"] if rank == 1 else ["RankFailedError"])
         assert values == [0.0, 1.0, 2.0, 3.0]
 
@@ -296,10 +325,47 @@ def _bad_arguments_on_alternating_ranks() -> tuple:
     return outcomes, torch.equal(after, torch.ones(2))
 
 
-def test_bad_arguments_on_alternating_ranks_keep_the_ranks_in_step(pool2):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_arguments_on_alternating_ranks_keep_the_ranks_in_step(transport, pool2):
     """A rank that failed before answered its peer's later failure as if both had failed
     at the same call: its re-box then paired with the failing rank's next collective."""
-    (outcomes0, in_step0), (outcomes1, in_step1) = pool2.run(_bad_arguments_on_alternating_ranks)
+    (outcomes0, in_step0), (outcomes1, in_step1) = pool2.run(
+        _through, transport, _bad_arguments_on_alternating_ranks
+    )
     assert outcomes0 == ["RankFailedError", "SbpSignatureError", "ok"]
     assert outcomes1 == ["SbpSignatureError", "RankFailedError", "ok"]
     assert in_step0 and in_step1
+
+
+def _bad_argument_on_a_mesh() -> tuple:
+    """A checked re-box on a 2 x 2 mesh that gathers over the rows ({0, 1}, {2, 3}), then
+    over the columns ({0, 2}, {1, 3}); then rank 1 passes a bad sbp; then every rank
+    re-boxes again and gathers the whole (a new conversion: an exchange over the world)."""
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    x = sbp.arange(8, dtype=torch.float32, placement=P, sbp=(S0, S0)).reshape(8, 1)
+    x.to_global(P, (B, S0))  # checked: from now on this re-box skips the exchange
+    start = time.monotonic()
+    try:
+        x.to_global(P, (sbp.split(5), S0) if sbp.env.get_rank() == 1 else (B, S0))
+        name, message = "no error", ""
+    except sbp.SbpError as e:
+        name, message = type(e).__name__, str(e)
+    seconds = time.monotonic() - start
+    again = x.to_global(P, (B, S0)).full_tensor()
+    right = torch.equal(again.view(-1), torch.arange(8, dtype=torch.float32))
+    return name, message, seconds, right
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_bad_argument_on_a_mesh_is_named_on_every_rank(transport, pool4):
+    """Rank 0 waits for rank 1 in the rows' gather and raises; it then skips the columns'
+    gather too, as rank 1 did, so it fails too: rank 2, waiting for it there, raises
+    naming it. Before: rank 2's column gather paired with rank 0's next call (mixed data
+    or a hang)."""
+    results = pool4.run(_through, transport, _bad_argument_on_a_mesh)
+    names = [name for name, _, _, _ in results]
+    assert names == ["RankFailedError", "SbpSignatureError", "RankFailedError", "RankFailedError"]
+    assert results[0][1].startswith("rank 1 raised SbpSignatureError: ")
+    assert results[2][1].startswith("rank 0 raised RankFailedError: rank 1 raised ")
+    assert results[3][1].startswith("rank 1 raised SbpSignatureError: ")
+    assert all(seconds < 10 and right for _, _, seconds, right in results)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from sbp import env
-from sbp.comm import functional, shm, stats
+from sbp.comm import frame_failure, functional, shm, stats
 from sbp.comm.meta import exchange
 from sbp.errors import SbpError
 
@@ -47,10 +47,12 @@ def announce(error: BaseException, ranks: object = None) -> None:
     placement's; else the world)
     whose peers skip the exchange (a re-box checked before, `check_meta=False`) and go
     straight into its collectives: they raise `RankFailedError` naming this rank there, at
-    once (see `shm.announce_failure`)."""
+    once (see `shm.announce_failure`, and `frame_failure` for rank sets across hosts)."""
     if env.get_world_size() > 1:
         ranks = getattr(ranks, "flat_ranks", ranks)
-        shm.announce_failure(error, ranks if isinstance(ranks, tuple) else world())
+        ranks = ranks if isinstance(ranks, tuple) else world()
+        marked = shm.announce_failure(error, ranks)
+        frame_failure.announce(error, ranks, marked)
 
 
 @contextlib.contextmanager

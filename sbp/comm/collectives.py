@@ -26,7 +26,7 @@ import torch.distributed as dist
 from sbp import env
 from sbp.comm import arrival, cost, fingerprint, functional, inline, shm, stats
 from sbp.comm.groups import get_group, group_order
-from sbp.errors import CommTimeoutError, InputTypeError, PlacementError
+from sbp.errors import CommTimeoutError, InputTypeError, PlacementError, SbpError
 
 Ranks = tuple[int, ...]
 
@@ -47,8 +47,8 @@ def guarded(kind: str, ranks: Ranks) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # DistBackendError is a RuntimeError
-        if isinstance(e, CommTimeoutError) or not _FAILED.search(str(e)):
-            raise  # (a nested guard named the failure already)
+        if isinstance(e, SbpError) or not _FAILED.search(str(e)):
+            raise  # (named already: a nested guard, or sbp's own check)
         missing = _ranks_not_reporting(ranks)
         absent = (
             f"; ranks {missing} did not arrive (stuck elsewhere or exited)"

@@ -245,8 +245,10 @@ class Segment:
         if failed:
             mark = int(self.failed[self.ranks.index(failed[0])])
             self.calls, self.seq[self.me] = n - 1, n - 1  # (taken back: nobody read call n)
+            error = _rank_failed(failed[0], mark >> 32, fp, self.ranks)
+            failed_too(error, self.ranks)  # (before the answer: see `failed_too`)
             _answer(failed[0], mark >> 32)
-            raise _rank_failed(failed[0], mark >> 32, fp, self.ranks)
+            raise error
         dead = [r for r in late if not _alive(self.pids[self.ranks.index(r)])]
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
@@ -298,10 +300,13 @@ class Segment:
             time.sleep(SLEEP_S if time.monotonic() - start < YIELD_S else CHECK_EVERY_S / 10)
         # Peers that failed at the same call, not for this rank's error, failed alike: this
         # rank answers theirs. A mark of a peer that answered this one is a failure of its
-        # own since (a retry), to raise for (`_peer_failed`).
+        # own since (a retry), to raise for (`_peer_failed`), unless the peer failed too
+        # (`failed_too`: it raised for this rank, or for another at this call, and marked
+        # that before it answered).
         fps = self.failed.tolist()
         for k in self.others:
-            if self._alike(k, fps[k], mark) and self.acks[k, self.me] != mark:
+            too = (fps[k] >> 32) & 1
+            if self._alike(k, fps[k], mark) and (too or self.acks[k, self.me] != mark):
                 self.acks[self.me, k] = fps[k]
         _marked.remove(self)
         self.failed[self.me] = 0
@@ -327,35 +332,46 @@ _marked: list[Segment] = []  # the segments holding this rank's failure mark
 _failures = [0]  # failures this process announced (part of each mark: every one differs)
 
 
-def announce_failure(error: BaseException, ranks: tuple[int, ...]) -> None:
+def announce_failure(
+    error: BaseException, ranks: tuple[int, ...], besides: tuple[int, ...] = ()
+) -> set[tuple[int, ...]]:
     """This rank raises `error` (bad input) where its peers of `ranks` go on into
     collectives with it: mark it in the segments of its rank sets within `ranks`, so that a
     peer waiting in the call this rank will not make raises `RankFailedError` naming it
     (within ~10 ms, see `_check_peers`) instead of waiting out the timeout, and takes that
     call back. This rank's next call there first waits for every peer to answer
     (`_settle_failure`), so the ranks stay in step whichever comes first; ranks that raised
-    at the same call (the same bad input everywhere) answer each other at once. Costs
-    nothing on the collectives' path (one check of a list). Peers blocked inside gloo (no
-    segment: another host, SBP_SHM=0) are not reached: they wait out the timeout as before."""
-    within = set(ranks)
+    at the same call (the same bad input everywhere) answer each other at once. Not in the
+    segment of rank set `besides` (the one where this rank raises for a peer). Costs
+    nothing on the collectives' path (one check of a list). Returns the rank sets marked
+    (ascending); peers of other sets wait in gloo's frame (`frame_failure`)."""
+    if not _ENABLED:
+        return set()
+    within, besides = set(ranks), set(besides)
     # (small segments only: every call of a large one meets in its rank set's small one,
     # first, so the mark is seen and settled there; a mark in the large one would wait
     # for answers no peer gives)
     segments = {
-        id(s): s for _, s in _segments.values() if s is not None and within.issuperset(s.ranks)
+        id(s): s
+        for _, s in _segments.values()
+        if s is not None and within.issuperset(s.ranks) and set(s.ranks) != besides
     }
     if not segments:
-        return
+        return set()
     _failures[0] += 1
-    count = _failures[0]
+    count = (_failures[0] << 1) | bool(besides)  # (odd: failed too, see `_settle_failure`)
     store = _store()
     if store is not None:
         with contextlib.suppress(Exception):  # (the message only: the mark says enough)
-            store.set(_failure_key(env.get_rank(), count), f"{type(error).__name__}: {error}")
+            told = ",".join(map(str, ranks))
+            store.set(
+                _failure_key(env.get_rank(), count), f"{told}|{type(error).__name__}: {error}"
+            )
     for segment in segments.values():
         segment.failed[segment.me] = (count << 32) | (segment.calls + 1)
         if segment not in _marked:
             _marked.append(segment)
+    return {tuple(sorted(s.ranks)) for s in segments.values()}
 
 
 def _answer(rank: int, count: int) -> None:
@@ -386,18 +402,48 @@ def _store():
 
 
 def _rank_failed(rank: int, count: int, fp: int, ranks: tuple[int, ...]) -> RankFailedError:
-    what = "an error"
+    told, what = ranks, "an error"
     store = _store()
     with contextlib.suppress(Exception):
         key = _failure_key(rank, count)
         if store is not None and store.check([key]):
-            what = store.get(key).decode()
+            names, _, what = store.get(key).decode().partition("|")
+            told = tuple(int(r) for r in names.split(","))
+    return rank_failed(rank, what, fp, ranks, told, "")
+
+
+def rank_failed(
+    rank: int, what: str, fp: int, ranks: tuple[int, ...], told: tuple[int, ...], where: str
+) -> RankFailedError:
+    """This rank raises for `rank`'s failure (`what`, told to `told`) in a call `fp` over
+    `ranks` (through `where`, or shared memory)."""
     return RankFailedError(
         f"rank {rank} raised {what} -- at a call it then did not make: rank {env.get_rank()} "
-        f"runs {fingerprint.describe(fp)} over ranks {list(ranks)} there, which rank {rank} "
-        "will not join; every rank raises (none waits out the timeout)",
+        f"runs {fingerprint.describe(fp)} over ranks {list(ranks)} there{where}, which rank "
+        f"{rank} will not join; every rank raises (none waits out the timeout)",
         rank,
+        told,
     )
+
+
+_failed_too_listeners: list = []
+
+
+def on_failed_too(listener) -> None:
+    """Call `listener(error, besides, marked)` where this rank raises `RankFailedError`
+    (after `failed_too` marked the sets `marked`): `frame_failure` marks the rest."""
+    _failed_too_listeners.append(listener)
+
+
+def failed_too(error: RankFailedError, besides: tuple[int, ...]) -> None:
+    """This rank raises for a peer's failure in a call over `besides`, and skips the rest
+    of its own call as that peer did: it fails too, and tells the same ranks, so that a
+    peer waiting for it in a later part of the call (another rank set of a mesh) raises as
+    well. Marked before this rank answers the peer, so the peer, settling its failure,
+    sees this mark as one at the same call (`_alike`)."""
+    marked = announce_failure(error, error.ranks, besides)
+    for listener in _failed_too_listeners:
+        listener(error, besides, marked)
 
 
 def _alive(pid: int) -> bool:
