@@ -27,7 +27,7 @@ import torch
 
 from sbp import checkpoint_files, env, optim_step, replicas, tensor_parts
 from sbp.boxing.executor import empty_local, local_device
-from sbp.comm import arrival
+from sbp.comm import agreement, arrival
 from sbp.comm.collectives import guarded
 from sbp.comm.meta import gather_objects
 from sbp.errors import (
@@ -331,10 +331,12 @@ def _all_ranks_called(what: str, root: Path) -> None:
         f"not every rank called it within {window:g} s (rank {env.get_rank()} waited)",
     )
     if verdict not in (arrival.ALL, None):
-        raise CheckpointError(
+        error = CheckpointError(
             f"sbp.checkpoint.{what}({str(root)!r}): {verdict}; every rank of the world calls "
             "it (each writes or reads its own shards), not only rank 0"
         )
+        agreement.announce(error)  # (a rank that went on into a collective raises there)
+        raise error
 
 
 def _agree_on_generation(root: Path) -> str:

@@ -19,6 +19,7 @@ import torch
 import sbp
 from sbp import checkpoint_files
 from sbp.checkpoint import CheckpointError
+from sbp.comm import collectives, shm
 from sbp.testing.pool import SpmdError, SpmdPool
 
 S0, B = sbp.split(0), sbp.broadcast
@@ -151,6 +152,46 @@ def _save_on_rank_0_only(directory: str) -> tuple[str, float] | None:
     with pytest.raises(CheckpointError) as info:
         sbp.checkpoint.save(state, directory)
     return str(info.value), time.monotonic() - start
+
+
+def _save_on_rank_0_while_rank_1_reduces(directory: str) -> tuple[str, float, bool]:
+    """Rank 0 saves, rank 1 goes on into an all-reduce through gloo (no shared segment, as
+    between hosts): each rank's error and its time, then a sum over both."""
+    sbp.checkpoint.ARRIVAL_WINDOW_S = 2.0
+    state = _state(1)
+    saved, shm._ENABLED = shm._ENABLED, False
+    try:
+        collectives.all_reduce(torch.ones(3), "sum", (0, 1))  # (the rank set's first frame)
+        start = time.monotonic()
+        try:
+            if sbp.env.get_rank() == 0:
+                sbp.checkpoint.save(state, directory)
+            else:
+                collectives.all_reduce(torch.ones(3), "sum", (0, 1))
+            name = "no error"
+        except sbp.SbpError as e:
+            name = f"{type(e).__name__}: {e}"
+        seconds = time.monotonic() - start
+        total = collectives.all_reduce(torch.ones(3), "sum", (0, 1))
+        return name, seconds, torch.equal(total, torch.full((3,), 2.0))
+    finally:
+        shm._ENABLED = saved
+
+
+def test_a_save_on_some_ranks_is_named_where_the_others_wait_in_gloo(tmp_path):
+    """Before: rank 1 waited inside gloo for the full timeout (rank 0 raised after the
+    arrival's window). A pool of its own: the absent rank leaves the arrival counts apart."""
+    pool = SpmdPool(2, comm_timeout=30)
+    try:
+        (name0, seconds0, in_step0), (name1, seconds1, in_step1) = pool.run(
+            _save_on_rank_0_while_rank_1_reduces, str(tmp_path / "c")
+        )
+    finally:
+        pool.close()
+    assert name0.startswith("CheckpointError: ") and "not only rank 0" in name0
+    assert name1.startswith("RankFailedError: rank 0 raised CheckpointError: ")
+    assert seconds0 < 5 and seconds1 < 5
+    assert in_step0 and in_step1
 
 
 def _load_killed_on_rank_1(directory: str) -> None:
