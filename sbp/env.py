@@ -233,6 +233,14 @@ def get_timeout() -> datetime.timedelta:
     return _state["timeout"]
 
 
+def default_store() -> dist.Store | None:
+    """The world's default store, or None where there is none (or it is gone)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no group, or the rank that hosted it exited
+        return None
+
+
 def is_distributed() -> bool:
     """True when a process group is running (world > 1 or adopted)."""
     _ensure()

@@ -29,14 +29,6 @@ ALL = "every rank arrived"
 _calls: Counter = Counter()
 
 
-def default_store() -> dist.Store | None:
-    """The world's default store, or None where there is none (or it is gone)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no group, or the rank that hosted it exited
-        return None
-
-
 def arrived_together(ranks: tuple[int, ...], window_s: float, gave_up: str = "") -> str | None:
     """Wait up to `window_s` seconds for every rank of `ranks` to make this call; return
     `ALL` when all of them did, else the `gave_up` text of the first rank that stopped
@@ -45,7 +37,7 @@ def arrived_together(ranks: tuple[int, ...], window_s: float, gave_up: str = "")
     this at the same points (SPMD): the calls are numbered per rank set."""
     if len(ranks) == 1:
         return ALL
-    store = default_store()
+    store = env.default_store()
     if store is None:
         return None
     name = ",".join(map(str, sorted(ranks)))

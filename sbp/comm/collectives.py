@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import arrival, cost, fingerprint, functional, inline, shm, stats
+from sbp.comm import cost, fingerprint, functional, inline, shm, stats
 from sbp.comm.groups import get_group, group_order
 from sbp.errors import CommTimeoutError, InputTypeError, PlacementError, SbpError
 
@@ -73,7 +73,7 @@ def _ranks_not_reporting(ranks: Ranks) -> list[int] | None:
     _failures[key] += 1
     prefix = f"sbp/failed/{key}/{n}/"
     me = env.get_rank()
-    store = arrival.default_store()
+    store = env.default_store()
     if store is None:
         return None
     try:

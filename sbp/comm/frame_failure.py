@@ -27,8 +27,6 @@ import contextlib
 import datetime
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from sbp import env
 from sbp.comm import shm
 from sbp.errors import CommTimeoutError
@@ -59,7 +57,7 @@ def announce(
     of each rank set within `ranks` it is a member of (and ran a frame in), in the store;
     not the sets whose shared segment holds the mark (`shm.announce_failure`), nor
     `besides` (the set of the frame it leaves)."""
-    store = _store()
+    store = env.default_store()
     me, within = env.get_rank(), set(ranks)
     marked = [
         (k, n + 1)
@@ -100,7 +98,7 @@ def wait(work, key: Key, n: int, fp: int, leave: Callable[[], None]) -> None:
     ranks, message = told[0]
     error = shm.rank_failed(failed[0][0], message, fp, key, ranks, " (gloo)")
     shm.failed_too(error, key)  # (before the answer, as in shared memory)
-    _store().set(_answer_key(key, n, env.get_rank()), "left")
+    env.default_store().set(_answer_key(key, n, env.get_rank()), "left")
     raise error
 
 
@@ -110,7 +108,7 @@ def settle(key: Key, fill: Callable[[], None]) -> None:
     calls = _to_settle.pop(key, None)
     if not calls:
         return
-    store, me = _store(), env.get_rank()
+    store, me = env.default_store(), env.get_rank()
     for n in sorted(calls):
         if _calls.get(key, 0) >= n:
             continue  # (this rank left that call behind: the others fill it)
@@ -134,7 +132,7 @@ def settle(key: Key, fill: Callable[[], None]) -> None:
 
 def _failed_at(key: Key, n: int) -> list[tuple[int, int]]:
     """The failures marked at frame `n` of `key` that this rank took no part in."""
-    store = _store()
+    store = env.default_store()
     mark = _mark_key(key, n)
     if store is None or (key, n) in _settled or not _has(store, mark):
         return []
@@ -149,7 +147,7 @@ def _take_part(rank: int, count: int) -> tuple[Key, str]:
     """This rank raises for `rank`'s failure `count`: settle its other marked calls later.
     Returns the ranks it told and its error, as it wrote them."""
     _took_part.add((rank, count))
-    names, where, message = _store().get(_why_key(rank, count)).decode().split("|", 2)
+    names, where, message = env.default_store().get(_why_key(rank, count)).decode().split("|", 2)
     me = env.get_rank()
     for part in where.split(";"):
         name, _, n = part.partition("@")
@@ -179,13 +177,6 @@ def _answer_key(key: Key, n: int, rank: int) -> str:
 
 def _why_key(rank: int, count: int) -> str:
     return f"sbp/frame-failed-why/{rank}/{count}"
-
-
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no group, or the rank that hosted it exited
-        return None
 
 
 def clear() -> None:

@@ -11,7 +11,8 @@ trip: every rank holds every part and reduces them in rank order (the same bits 
 rank, as in shared memory). A larger call runs its own gloo collective after the frame,
 which is its meeting (one small round trip before it, as before). Every rank sees every
 rank's fingerprint, so a mismatch raises `MetaMismatchError` on every rank naming what
-each rank ran, before any data is read.
+each rank ran, before any data is read. The frame is waited for in slices
+(`frame_failure`): a rank that raised on bad input, and will not come, is named there.
 """
 
 from __future__ import annotations

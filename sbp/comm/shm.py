@@ -220,7 +220,7 @@ class Segment:
         if not mark or self._answered.get(index) == mark:
             return False
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = env.default_store()
             key = arrival_key(self.ranks, (mark & _CALL_BITS) - 1) + "verdict"
             return not store.check([key])
         except Exception:  # noqa: BLE001 - no store (or gone): say nothing
@@ -360,7 +360,7 @@ def announce_failure(
         return set()
     _failures[0] += 1
     count = (_failures[0] << 1) | bool(besides)  # (odd: failed too, see `_settle_failure`)
-    store = _store()
+    store = env.default_store()
     if store is not None:
         with contextlib.suppress(Exception):  # (the message only: the mark says enough)
             told = ",".join(map(str, ranks))
@@ -394,16 +394,9 @@ def _failure_key(rank: int, count: int) -> str:
     return f"sbp/rank-failed/{rank}/{count}"
 
 
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no group, or the rank that hosted it exited
-        return None
-
-
 def _rank_failed(rank: int, count: int, fp: int, ranks: tuple[int, ...]) -> RankFailedError:
     told, what = ranks, "an error"
-    store = _store()
+    store = env.default_store()
     with contextlib.suppress(Exception):
         key = _failure_key(rank, count)
         if store is not None and store.check([key]):
