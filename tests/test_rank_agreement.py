@@ -16,6 +16,7 @@ import torch
 
 import sbp
 from sbp.comm import collectives, shm
+from sbp.testing.pool import SpmdPool
 
 B, S0 = sbp.broadcast, sbp.split(0)
 
@@ -369,3 +370,82 @@ def test_a_bad_argument_on_a_mesh_is_named_on_every_rank(transport, pool4):
     assert results[2][1].startswith("rank 0 raised RankFailedError: rank 1 raised ")
     assert results[3][1].startswith("rank 1 raised SbpSignatureError: ")
     assert all(seconds < 10 and right for _, _, seconds, right in results)
+
+
+def _tries(bad_on: list[list[int]]) -> tuple[list[str], bool]:
+    """A checked re-box tried once per entry of `bad_on` (the ranks whose argument is bad
+    at that try): each try's outcome on this rank, then a re-box of another tensor and a
+    sum over every rank (the ranks in step, the values right)."""
+    P = sbp.placement.all("cpu")
+    x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
+    x.to_global(P, B)  # checked: from now on this re-box skips the exchange
+    me, world, outcomes = sbp.env.get_rank(), sbp.env.get_world_size(), []
+    for bad in bad_on:
+        start = time.monotonic()
+        try:
+            x.to_global(P, sbp.split(3) if me in bad else B)
+            outcomes.append("ok")
+        except sbp.SbpError as e:
+            outcomes.append(type(e).__name__)
+        assert time.monotonic() - start < 10  # the pools' timeout is 60 s
+    after = sbp.ones(2, placement=P, sbp=S0).to_global(P, B).to_local()
+    total = collectives.all_reduce(torch.full((3,), me + 1.0), "sum", tuple(range(world)))
+    return outcomes, torch.equal(after, torch.ones(2)) and total.tolist() == [3.0] * 3
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("bad_on", [[[1], [1], []], [[0, 1], [1], []], [[1], [0, 1], []]])
+def test_failures_in_a_row_are_each_named(bad_on, transport, pool2):
+    """A rank that fails again before its peers saw its first failure: in shared memory its
+    second mark overwrote the first, so rank 0 raised once, and its second try paired with
+    rank 1's third (found in review); through gloo the second mark took the first's call."""
+    for rank, (outcomes, in_step) in enumerate(pool2.run(_through, transport, _tries, bad_on)):
+        want = [
+            "SbpSignatureError" if rank in bad else ("RankFailedError" if bad else "ok")
+            for bad in bad_on
+        ]
+        assert outcomes == want
+        assert in_step
+
+
+def _mesh_tries(bad_on: list[list[int]]) -> tuple[list[str], bool]:
+    """`_bad_argument_on_a_mesh` tried once per entry of `bad_on`; then the whole gathered
+    (a new conversion) and a sum over the world."""
+    P = sbp.placement("cpu", [[0, 1], [2, 3]])
+    x = sbp.arange(8, dtype=torch.float32, placement=P, sbp=(S0, S0)).reshape(8, 1)
+    x.to_global(P, (B, S0))  # checked
+    me, outcomes = sbp.env.get_rank(), []
+    for bad in bad_on:
+        try:
+            x.to_global(P, (sbp.split(5), S0) if me in bad else (B, S0))
+            outcomes.append("ok")
+        except sbp.SbpError as e:
+            outcomes.append(type(e).__name__)
+    whole = x.to_global(P, (B, B)).to_local().view(-1)
+    total = collectives.all_reduce(torch.full((3,), me + 1.0), "sum", (0, 1, 2, 3))
+    return outcomes, torch.equal(whole, torch.arange(8.0)) and total.tolist() == [10.0] * 3
+
+
+def test_failures_on_two_ranks_of_a_mesh_in_a_row_through_gloo(pool4):
+    """Rank 0 fails, then rank 3: every other rank raises at each try, once. (In shared
+    memory a second failure on a mesh before the first settled can still wait out the
+    timeout: docs/api.md.)"""
+    results = pool4.run(_through, "gloo", _mesh_tries, [[0], [3], []])
+    for rank, (outcomes, in_step) in enumerate(results):
+        want = [
+            "SbpSignatureError" if rank in bad else ("RankFailedError" if bad else "ok")
+            for bad in ([0], [3], [])
+        ]
+        assert outcomes == want and in_step
+
+
+def test_a_bad_argument_in_a_rank_sets_first_call_is_named_through_gloo():
+    """No frame ran over the world before (a pool of its own): the failing rank marks the
+    call's own rank set too. Before: rank 0 waited out the timeout."""
+    pool = SpmdPool(2, comm_timeout=30)
+    try:
+        (name0, seconds0), (name1, _) = pool.run(_through, "gloo", _unchecked_local_to_global)
+    finally:
+        pool.close()
+    assert (name0, name1) == ("RankFailedError", "SbpSignatureError")
+    assert seconds0 < 5

@@ -54,14 +54,18 @@ def announce(
 ) -> None:
     """This rank raises `error` (bad input, or `RankFailedError`: see `shm.failed_too`)
     before a call over `ranks` whose peers may wait for it in a frame: mark the next frame
-    of each rank set within `ranks` it is a member of (and ran a frame in), in the store;
-    not the sets whose shared segment holds the mark (`shm.announce_failure`), nor
-    `besides` (the set of the frame it leaves)."""
+    of each rank set within `ranks` it is a member of (that it ran a frame in, and `ranks`
+    itself), in the store, past the calls it has still to settle there; not the sets whose
+    shared segment holds the mark (`shm.announce_failure`), nor `besides` (the set of the
+    frame it leaves). Its answer for each marked call ("did not make it") goes with the
+    mark: it is a fact already."""
     store = env.default_store()
     me, within = env.get_rank(), set(ranks)
+    own = tuple(sorted(ranks))
+    keys = set(_calls) | ({own} if me in own else set())
     marked = [
-        (k, n + 1)
-        for k, n in _calls.items()
+        (k, max([_calls.get(k, 0), *_to_settle.get(k, ())]) + 1)  # (past unsettled calls)
+        for k in keys
         if me in k and within.issuperset(k) and k not in marked_in_shm and k != besides
     ]
     if store is None or not marked:
@@ -74,6 +78,7 @@ def announce(
         store.set(_why_key(me, count), told)
         for k, n in marked:
             store.append(_mark_key(k, n), f"{me}:{count};")
+            store.set(_answer_key(k, n, me), "did not make it")  # (a fact already)
             _to_settle.setdefault(k, set()).add(n)
         _took_part.add((me, count))
 
@@ -87,17 +92,20 @@ def wait(work, key: Key, n: int, fp: int, leave: Callable[[], None]) -> None:
             work.wait(_SLICE)
             return
         except RuntimeError as e:
-            if _SLICE_OVER not in str(e) or work.is_completed():
+            if _SLICE_OVER not in str(e):
                 raise  # (the collective's own error: a lost peer, gloo's timeout)
+            if work.is_completed():
+                continue  # (done just after the slice: the next wait returns, or raises)
         failed = _failed_at(key, n)
         if failed:
             break
     leave()
     _left[:] = [w for w in _left if not w.is_completed()] + [work]
-    told = [_take_part(rank, count) for rank, count in failed]
-    ranks, message = told[0]
+    ranks, message, _ = _why(*failed[0])
     error = shm.rank_failed(failed[0][0], message, fp, key, ranks, " (gloo)")
-    shm.failed_too(error, key)  # (before the answer, as in shared memory)
+    shm.failed_too(error, key)  # (before the answer; numbered before this failure's calls)
+    for rank, count in failed:
+        _take_part(rank, count)
     env.default_store().set(_answer_key(key, n, env.get_rank()), "left")
     raise error
 
@@ -127,7 +135,7 @@ def settle(key: Key, fill: Callable[[], None]) -> None:
         _settled.add((key, n))
         if any(store.get(a) == b"left" for a in answers):
             fill()
-            _calls[key] = n
+        _calls[key] = n  # (a settled call is one call on every member, filled or not)
 
 
 def _failed_at(key: Key, n: int) -> list[tuple[int, int]]:
@@ -143,18 +151,22 @@ def _failed_at(key: Key, n: int) -> list[tuple[int, int]]:
     return [(int(r), int(c)) for r, c in entries if (int(r), int(c)) not in _took_part]
 
 
-def _take_part(rank: int, count: int) -> tuple[Key, str]:
-    """This rank raises for `rank`'s failure `count`: settle its other marked calls later.
-    Returns the ranks it told and its error, as it wrote them."""
+def _take_part(rank: int, count: int) -> None:
+    """This rank raises for `rank`'s failure `count`: settle its other marked calls later."""
     _took_part.add((rank, count))
-    names, where, message = env.default_store().get(_why_key(rank, count)).decode().split("|", 2)
+    _, _, where = _why(rank, count)
     me = env.get_rank()
     for part in where.split(";"):
         name, _, n = part.partition("@")
         key = tuple(int(r) for r in name.split(","))
         if me in key and _calls.get(key, 0) < int(n):
             _to_settle.setdefault(key, set()).add(int(n))
-    return tuple(int(r) for r in names.split(",")), message
+
+
+def _why(rank: int, count: int) -> tuple[Key, str, str]:
+    """The ranks `rank`'s failure `count` told, its error, and its marked calls."""
+    names, where, message = env.default_store().get(_why_key(rank, count)).decode().split("|", 2)
+    return tuple(int(r) for r in names.split(",")), message, where
 
 
 def _has(store, key: str) -> bool:

@@ -368,9 +368,10 @@ def announce_failure(
                 _failure_key(env.get_rank(), count), f"{told}|{type(error).__name__}: {error}"
             )
     for segment in segments.values():
+        if segment in _marked:  # (a segment holds one mark per rank: this rank's last
+            segment._settle_failure()  # failure there is seen first, or the peers miss one)
         segment.failed[segment.me] = (count << 32) | (segment.calls + 1)
-        if segment not in _marked:
-            _marked.append(segment)
+        _marked.append(segment)
     return {tuple(sorted(s.ranks)) for s in segments.values()}
 
 
