@@ -247,7 +247,8 @@ class Segment:
             self.calls, self.seq[self.me] = n - 1, n - 1  # (taken back: nobody read call n)
             error = _rank_failed(failed[0], mark >> 32, fp, self.ranks)
             failed_too(error, self.ranks)  # (before the answer: see `failed_too`)
-            _answer(failed[0], mark >> 32)
+            for r in failed:  # (every peer that failed at this call: this rank raises once)
+                _answer(r, int(self.failed[self.ranks.index(r)]) >> 32)
             raise error
         dead = [r for r in late if not _alive(self.pids[self.ranks.index(r)])]
         if dead or waited > timeout:
