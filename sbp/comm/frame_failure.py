@@ -101,11 +101,12 @@ def wait(work, key: Key, n: int, fp: int, leave: Callable[[], None]) -> None:
             break
     leave()
     _left[:] = [w for w in _left if not w.is_completed()] + [work]
-    ranks, message, _ = _why(*failed[0])
+    whys = [_why(rank, count) for rank, count in failed]
+    ranks, message, _ = whys[0]
     error = shm.rank_failed(failed[0][0], message, fp, key, ranks, " (gloo)")
     shm.failed_too(error, key)  # (before the answer; numbered before this failure's calls)
-    for rank, count in failed:
-        _take_part(rank, count)
+    for (rank, count), (_, _, where) in zip(failed, whys, strict=True):
+        _take_part(rank, count, where)
     env.default_store().set(_answer_key(key, n, env.get_rank()), "left")
     raise error
 
@@ -151,10 +152,10 @@ def _failed_at(key: Key, n: int) -> list[tuple[int, int]]:
     return [(int(r), int(c)) for r, c in entries if (int(r), int(c)) not in _took_part]
 
 
-def _take_part(rank: int, count: int) -> None:
-    """This rank raises for `rank`'s failure `count`: settle its other marked calls later."""
+def _take_part(rank: int, count: int, where: str) -> None:
+    """This rank raises for `rank`'s failure `count`, marked at `where`: settle its other
+    marked calls later."""
     _took_part.add((rank, count))
-    _, _, where = _why(rank, count)
     me = env.get_rank()
     for part in where.split(";"):
         name, _, n = part.partition("@")
