@@ -307,31 +307,12 @@ def test_an_unchecked_local_tensor_with_a_bad_argument_is_named_at_once(pool2):
     assert all(seconds < 10 for _, seconds in pool2.run(_unchecked_local_to_global))
 
 
-def _bad_arguments_on_alternating_ranks() -> tuple:
-    """A checked re-box tried three times: rank 1's argument is bad, then rank 0's, then
-    none; each try's outcome on this rank, then a re-box of another tensor everywhere."""
-    P = sbp.placement.all("cpu")
-    x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
-    x.to_global(P, B)  # checked: from now on this re-box skips the exchange
-    me, outcomes = sbp.env.get_rank(), []
-    for bad_rank in (1, 0, None):
-        start = time.monotonic()
-        try:
-            x.to_global(P, sbp.split(3) if me == bad_rank else B)
-            outcomes.append("ok")
-        except sbp.SbpError as e:
-            outcomes.append(type(e).__name__)
-        assert time.monotonic() - start < 10  # the pools' timeout is 60 s
-    after = sbp.ones(2, placement=P, sbp=S0).to_global(P, B).to_local()
-    return outcomes, torch.equal(after, torch.ones(2))
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_bad_arguments_on_alternating_ranks_keep_the_ranks_in_step(transport, pool2):
     """A rank that failed before answered its peer's later failure as if both had failed
     at the same call: its re-box then paired with the failing rank's next collective."""
     (outcomes0, in_step0), (outcomes1, in_step1) = pool2.run(
-        _through, transport, _bad_arguments_on_alternating_ranks
+        _through, transport, _tries, [[1], [0], []]
     )
     assert outcomes0 == ["RankFailedError", "SbpSignatureError", "ok"]
     assert outcomes1 == ["SbpSignatureError", "RankFailedError", "ok"]
@@ -372,6 +353,15 @@ def test_a_bad_argument_on_a_mesh_is_named_on_every_rank(transport, pool4):
     assert all(seconds < 10 and right for _, _, seconds, right in results)
 
 
+def _expected(rank: int, bad_on: list[list[int]]) -> list[str]:
+    """Each try's outcome on `rank`: its own error where its argument is bad, the peers'
+    `RankFailedError` where another rank's is, else none."""
+    return [
+        "SbpSignatureError" if rank in bad else ("RankFailedError" if bad else "ok")
+        for bad in bad_on
+    ]
+
+
 def _tries(bad_on: list[list[int]]) -> tuple[list[str], bool]:
     """A checked re-box tried once per entry of `bad_on` (the ranks whose argument is bad
     at that try): each try's outcome on this rank, then a re-box of another tensor and a
@@ -402,11 +392,7 @@ def test_failures_in_a_row_are_each_named(bad_on, transport, pool2):
     second mark overwrote the first, so rank 0 raised once, and its second try paired with
     rank 1's third (found in review); through gloo the second mark took the first's call."""
     for rank, (outcomes, in_step) in enumerate(pool2.run(_through, transport, _tries, bad_on)):
-        want = [
-            "SbpSignatureError" if rank in bad else ("RankFailedError" if bad else "ok")
-            for bad in bad_on
-        ]
-        assert outcomes == want
+        assert outcomes == _expected(rank, bad_on)
         assert in_step
 
 
@@ -434,11 +420,7 @@ def test_failures_on_two_ranks_of_a_mesh_in_a_row_through_gloo(pool4):
     timeout: docs/api.md.)"""
     results = pool4.run(_through, "gloo", _mesh_tries, [[0], [3], []])
     for rank, (outcomes, in_step) in enumerate(results):
-        want = [
-            "SbpSignatureError" if rank in bad else ("RankFailedError" if bad else "ok")
-            for bad in ([0], [3], [])
-        ]
-        assert outcomes == want and in_step
+        assert outcomes == _expected(rank, [[0], [3], []]) and in_step
 
 
 def test_a_bad_argument_in_a_rank_sets_first_call_is_named_through_gloo():
@@ -473,9 +455,5 @@ def test_failures_on_several_ranks_at_once_are_each_named_once(bad_on, transport
     finally:
         pool.close()
     for rank, (outcomes, in_step) in enumerate(results):
-        want = [
-            "SbpSignatureError" if rank in bad else ("RankFailedError" if bad else "ok")
-            for bad in bad_on
-        ]
-        assert outcomes == want
+        assert outcomes == _expected(rank, bad_on)
         assert in_step
