@@ -414,13 +414,16 @@ def _mesh_tries(bad_on: list[list[int]]) -> tuple[list[str], bool]:
     return outcomes, torch.equal(whole, torch.arange(8.0)) and total.tolist() == [10.0] * 3
 
 
-def test_failures_on_two_ranks_of_a_mesh_in_a_row_through_gloo(pool4):
-    """Rank 0 fails, then rank 3: every other rank raises at each try, once. (In shared
-    memory a second failure on a mesh before the first settled can still wait out the
-    timeout: docs/api.md.)"""
-    results = pool4.run(_through, "gloo", _mesh_tries, [[0], [3], []])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("bad_on", [[[0], [3], []], [[1, 2], [0], [3], []], [[1], [1], []]])
+def test_failures_on_a_mesh_in_a_row_are_each_named(bad_on, transport, pool4):
+    """A rank fails, then another (or the same one again): every other rank raises at each
+    try, once. Before: in shared memory a second failure before the first settled waited
+    out the timeout (a segment held one mark per rank, and the answers the failing rank
+    waited for were owed by a rank waiting for it in another rank set)."""
+    results = pool4.run(_through, transport, _mesh_tries, bad_on)
     for rank, (outcomes, in_step) in enumerate(results):
-        assert outcomes == _expected(rank, [[0], [3], []]) and in_step
+        assert outcomes == _expected(rank, bad_on) and in_step
 
 
 def test_a_bad_argument_in_a_rank_sets_first_call_is_named_through_gloo():
@@ -435,25 +438,45 @@ def test_a_bad_argument_in_a_rank_sets_first_call_is_named_through_gloo():
     assert seconds0 < 5
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
-    "bad_on, transport",
-    [
-        ([[1, 2], [], []], "shared memory"),
-        ([[1, 2], [], []], "gloo"),
-        # (in shared memory this one can still go out of step: docs/api.md)
-        ([[1], [1, 2], [2], []], "gloo"),
-    ],
+    "bad_on",
+    [[[1, 2], [], []], [[1], [1, 2], [2], []], [[1, 2], [1], [0], []], [[1], [3], [1], [0, 2], []]],
 )
-def test_failures_on_several_ranks_at_once_are_each_named_once(bad_on, transport):
-    """Two ranks failing at one call: in shared memory the others answered only the first
-    mark they saw, raised again at their next call for the second, and the ranks went out
-    of step (found in review). A pool of its own: in shared memory, such sequences
-    repeated can still leave marks that a later call trips on (docs/api.md)."""
-    pool = SpmdPool(4)
-    try:
-        results = pool.run(_through, transport, _tries, bad_on)
-    finally:
-        pool.close()
+def test_failures_on_several_ranks_at_once_are_each_named_once(bad_on, transport, pool4):
+    """Two ranks failing at one call, then others: in shared memory the others answered
+    only the first mark they saw and raised again at their next call; later plans went
+    out of step (`MetaMismatchError` at the next call), since a segment held one mark per
+    rank. Now every mark is one per call, in the store, on both transports."""
+    results = pool4.run(_through, transport, _tries, bad_on)
     for rank, (outcomes, in_step) in enumerate(results):
         assert outcomes == _expected(rank, bad_on)
         assert in_step
+
+
+def _every_rank_set() -> list[list[float]]:
+    """A sum over each rank set of a 2 x 2 mesh, and over the world: rank r gives r + 1."""
+    me = sbp.env.get_rank()
+    sets = [(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)]
+    return [
+        collectives.all_reduce(torch.full((2,), me + 1.0), "sum", s).tolist()
+        for s in sets
+        if me in s
+    ]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_failures_leave_no_marks_that_later_calls_trip_on(transport, pool4):
+    """Failure sequences on several ranks, one after another in one pool, then sums over
+    every rank set: each is the single-process sum. Before: in shared memory such
+    sequences left marks unanswered, and a later call in another rank set raised for an
+    old failure (it failed CI twice)."""
+    for plan in ([[1, 2], [1], []], [[0], [2, 3], []], [[3], [0, 1], []]):
+        for tries in (_tries, _mesh_tries):
+            results = pool4.run(_through, transport, tries, plan)
+            for rank, (outcomes, in_step) in enumerate(results):
+                assert outcomes == _expected(rank, plan) and in_step
+    want = {(0, 1): 3.0, (2, 3): 7.0, (0, 2): 4.0, (1, 3): 6.0, (0, 1, 2, 3): 10.0}
+    for rank, sums in enumerate(pool4.run(_through, transport, _every_rank_set)):
+        expected = [[total] * 2 for s, total in want.items() if rank in s]
+        assert sums == expected

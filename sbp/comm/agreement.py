@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from sbp import env
-from sbp.comm import frame_failure, functional, shm, stats
+from sbp.comm import failure, functional, shm, stats
 from sbp.comm.meta import exchange
 from sbp.errors import SbpError
 
@@ -47,12 +47,11 @@ def announce(error: BaseException, ranks: object = None) -> None:
     placement's; else the world)
     whose peers skip the exchange (a re-box checked before, `check_meta=False`) and go
     straight into its collectives: they raise `RankFailedError` naming this rank there, at
-    once (see `shm.announce_failure`, and `frame_failure` for rank sets across hosts)."""
+    once (see `failure`)."""
     if env.get_world_size() > 1:
         ranks = getattr(ranks, "flat_ranks", ranks)
         ranks = ranks if isinstance(ranks, tuple) else world()
-        marked = shm.announce_failure(error, ranks)
-        frame_failure.announce(error, ranks, marked)
+        failure.announce(error, ranks)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ rank, as in shared memory). A larger call runs its own gloo collective after the
 which is its meeting (one small round trip before it, as before). Every rank sees every
 rank's fingerprint, so a mismatch raises `MetaMismatchError` on every rank naming what
 each rank ran, before any data is read. The frame is waited for in slices
-(`frame_failure`): a rank that raised on bad input, and will not come, is named there.
+(`failure`): a rank that raised on bad input, and will not come, is named there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sbp.comm import fingerprint, frame_failure
+from sbp.comm import failure, fingerprint
 from sbp.errors import MetaMismatchError
 
 FRAME_BYTES = 16 * 1024  # per rank: over gloo as fast as 16 bytes (~0.4 ms on loopback)
@@ -45,16 +45,17 @@ def exchange(
     """One all-gather of every rank's frame (`fp`, then `data`'s bytes): raise on a
     mismatch, else every rank's data bytes as rows in the group's (ascending) rank order."""
     n, key = len(ranks), tuple(sorted(ranks))
-    frame_failure.settle(key, lambda: _fill(n, group))
+    calls = failure.frames(key)
+    failure.begin(key, calls, lambda: _fill(n, group))
     frame, gathered = _buffers(n)
     frame[:HEADER_BYTES].view(torch.int64)[0] = fp
     nbytes = 0
     if data is not None:
         nbytes = data.numel() * data.element_size()
         frame[HEADER_BYTES : HEADER_BYTES + nbytes].copy_(data.reshape(-1).view(torch.uint8))
-    call = frame_failure.start(key)
+    calls.calls += 1
     work = _all_gather_single(gathered, frame, group=group, async_op=True)
-    frame_failure.wait(work, key, call, fp, leave=lambda: _frames.pop(n, None))
+    failure.wait(work, key, calls, calls.calls, fp, leave=lambda: _frames.pop(n, None))
     rows = gathered.view(n, FRAME_BYTES)
     fps = rows[:, :HEADER_BYTES].contiguous().view(torch.int64).view(-1).tolist()
     if any(f != fp for f in fps):
@@ -70,7 +71,7 @@ def parts(rows: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, list[to
 
 
 def _fill(n: int, group) -> None:
-    """A filler frame: joins a frame that peers left behind (`frame_failure.settle`)."""
+    """A filler frame: joins a frame that peers left behind (`failure.settle`)."""
     _all_gather_single(
         torch.empty(n * FRAME_BYTES, dtype=torch.uint8),
         torch.zeros(FRAME_BYTES, dtype=torch.uint8),

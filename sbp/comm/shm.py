@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import fingerprint
-from sbp.errors import CommTimeoutError, MetaMismatchError, RankFailedError
+from sbp.comm import failure, fingerprint
+from sbp.errors import CommTimeoutError, MetaMismatchError
 
 SLOT_BYTES = 64 * 1024
 # A second, larger segment per rank set (`big_segment`) for all-reduces of 64 KiB-8 MiB and
@@ -65,6 +65,8 @@ _big_segments: dict[tuple[int, ...], tuple[object, Segment | None]] = {}
 class Segment:
     """The shared memory of one rank set: a sequence number and two slots per rank."""
 
+    tag = "shm"  # (its calls' count, `calls`, numbers the failures' marks: `failure`)
+
     def __init__(
         self,
         ranks: tuple[int, ...],
@@ -84,12 +86,7 @@ class Segment:
         # the last call it took back on seeing a peer's mark.
         self.away = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=24, strides=(LINE,))
         self.undone = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=32, strides=(LINE,))
-        self._answered: dict[int, int] = {}  # peer index -> the mark this rank raised for
-        # A rank's mark after it raised on bad input where its peers go on into a collective
-        # (`announce_failure`): its failure count and the call it will not make.
-        self.failed = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=40, strides=(LINE,))
-        # acks[k, r]: the mark of rank r that rank k answered (raised for, or failed alike)
-        self.acks = np.ndarray((n, n), dtype=np.int64, buffer=mapping, offset=LINE * n)
+        self._answered: dict[int, int] = {}  # peer index -> the away mark it raised for
         with torch.inference_mode(False):
             self.slots = torch.frombuffer(
                 mapping, dtype=torch.uint8, offset=_header(n), count=2 * n * slot_bytes
@@ -124,6 +121,8 @@ class Segment:
         segment, for the large one) the ranks meet there, with the fingerprint, in the
         one wait: each reads these slots before its next call there, so a slot is still
         rewritten only after every rank read it."""
+        if via is None:
+            self._begin()
         self.calls += 1
         n = self.calls
         mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
@@ -140,14 +139,20 @@ class Segment:
 
     def agree(self, fp: int) -> None:
         """Meet the other ranks with fingerprint `fp` alone (before a gloo collective)."""
+        self._begin()
         self.calls += 1
         self._meet(self.calls, fp)
+
+    def _begin(self) -> None:
+        """Before a call: settle the failures this rank took part in (`failure`)."""
+        failure.begin(self.ranks, self, lost=self._lost)
+
+    def _lost(self, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if not _alive(self.pids[self.ranks.index(r)])]
 
     def _meet(self, n: int, fp: int) -> None:
         """Publish call `n` with its fingerprint, wait for every rank's, compare them."""
         self.away[self.me] = 0  # (back from an arrival that found the ranks out of step)
-        if _marked and self in _marked:  # (this rank goes on after its announced failure)
-            self._settle_failure()
         self.fingerprints[self.me, n & 1] = fp
         self.seq[self.me] = n
         self._wait(n, fp)
@@ -241,15 +246,10 @@ class Segment:
                 f"{list(self.ranks)}: the ranks run different code (per-rank settings "
                 "differ, or a call made on some ranks only)"
             )
-        failed = [r for r in late if self._peer_failed(self.ranks.index(r), n)]
-        if failed:
-            mark = int(self.failed[self.ranks.index(failed[0])])
-            self.calls, self.seq[self.me] = n - 1, n - 1  # (taken back: nobody read call n)
-            error = _rank_failed(failed[0], mark >> 32, fp, self.ranks)
-            failed_too(error, self.ranks)  # (before the answer: see `failed_too`)
-            for r in failed:  # (every peer that failed at this call: this rank raises once)
-                _answer(r, int(self.failed[self.ranks.index(r)]) >> 32)
-            raise error
+        failed = failure.failed_at(self.ranks, self, n)
+        if failed:  # (call n is used up, unread: no rank waits for this one in it)
+            self.seq[self.me] = n - 1
+            raise failure.raised_for(failed, self.ranks, self, n, fp, "")
         dead = [r for r in late if not _alive(self.pids[self.ranks.index(r)])]
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
@@ -258,59 +258,6 @@ class Segment:
                 "failed within the "
                 f"timeout of {env.get_timeout()} (sbp.env.init(timeout=...)): {why}"
             )
-
-    def _peer_failed(self, index: int, n: int) -> bool:
-        """Did peer `index` raise right after its call n - 1 (announced, not answered yet)
-        while this rank waits in call n? (Where this rank raised there too, its own next
-        call answered the peer's mark first, in `_settle_failure`: the ranks are in step.)"""
-        mark = int(self.failed[index])
-        return bool(mark) and self.acks[self.me, index] != mark and (mark & _CALL_BITS) == n
-
-    def _alike(self, k: int, theirs: int, mark: int) -> bool:
-        """Did peer `k` fail at the same call as this rank's `mark`? Its mark names that
-        call, and is not one this rank raised for (answered: an earlier failure of the
-        peer, not yet dropped, whose call number this rank's retry met again)."""
-        same_call = theirs and (theirs & _CALL_BITS) == (mark & _CALL_BITS)
-        return bool(same_call) and self.acks[self.me, k] != theirs
-
-    def _settle_failure(self) -> None:
-        """Before this rank's first call after its announced failure: wait until every peer
-        answered the mark (raised in the call this rank skipped, or raised at the same
-        point itself), so that no peer's skipped call pairs with this one; then drop it."""
-        mark, start = int(self.failed[self.me]), time.monotonic()
-        timeout = env.get_timeout().total_seconds()
-        while True:
-            fps = self.failed.tolist()
-            waiting = [
-                k
-                for k in self.others
-                if self.acks[k, self.me] != mark and not self._alike(k, fps[k], mark)
-            ]
-            if not waiting:
-                break
-            dead = [self.ranks[k] for k in waiting if not _alive(self.pids[k])]
-            if dead or time.monotonic() - start > timeout:
-                _marked.remove(self)
-                self.failed[self.me] = 0
-                raise CommTimeoutError(
-                    f"ranks {dead or [self.ranks[k] for k in waiting]} "
-                    f"{'exited' if dead else 'did not arrive'} while rank {env.get_rank()} "
-                    f"waited for them to see its error (over ranks {list(self.ranks)}, within "
-                    f"the timeout of {env.get_timeout()})"
-                )
-            time.sleep(SLEEP_S if time.monotonic() - start < YIELD_S else CHECK_EVERY_S / 10)
-        # Peers that failed at the same call, not for this rank's error, failed alike: this
-        # rank answers theirs. A mark of a peer that answered this one is a failure of its
-        # own since (a retry), to raise for (`_peer_failed`), unless the peer failed too
-        # (`failed_too`: it raised for this rank, or for another at this call, and marked
-        # that before it answered).
-        fps = self.failed.tolist()
-        for k in self.others:
-            too = (fps[k] >> 32) & 1
-            if self._alike(k, fps[k], mark) and (too or self.acks[k, self.me] != mark):
-                self.acks[self.me, k] = fps[k]
-        _marked.remove(self)
-        self.failed[self.me] = 0
 
 
 def reduce_in_rank_order(rows: torch.Tensor, parts: list, op: str, out: torch.Tensor) -> None:
@@ -329,116 +276,9 @@ def reduce_in_rank_order(rows: torch.Tensor, parts: list, op: str, out: torch.Te
         torch.amin(rows, 0, out=out)
 
 
-_marked: list[Segment] = []  # the segments holding this rank's failure mark
-_failures = [0]  # failures this process announced (part of each mark: every one differs)
-
-
-def announce_failure(
-    error: BaseException, ranks: tuple[int, ...], besides: tuple[int, ...] = ()
-) -> set[tuple[int, ...]]:
-    """This rank raises `error` (bad input) where its peers of `ranks` go on into
-    collectives with it: mark it in the segments of its rank sets within `ranks`, so that a
-    peer waiting in the call this rank will not make raises `RankFailedError` naming it
-    (within ~10 ms, see `_check_peers`) instead of waiting out the timeout, and takes that
-    call back. This rank's next call there first waits for every peer to answer
-    (`_settle_failure`), so the ranks stay in step whichever comes first; ranks that raised
-    at the same call (the same bad input everywhere) answer each other at once. Not in the
-    segment of rank set `besides` (the one where this rank raises for a peer). Costs
-    nothing on the collectives' path (one check of a list). Returns the rank sets marked
-    (ascending); peers of other sets wait in gloo's frame (`frame_failure`)."""
-    if not _ENABLED:
-        return set()
-    within, besides = set(ranks), set(besides)
-    # (small segments only: every call of a large one meets in its rank set's small one,
-    # first, so the mark is seen and settled there; a mark in the large one would wait
-    # for answers no peer gives)
-    segments = {
-        id(s): s
-        for _, s in _segments.values()
-        if s is not None and within.issuperset(s.ranks) and set(s.ranks) != besides
-    }
-    if not segments:
-        return set()
-    _failures[0] += 1
-    count = (_failures[0] << 1) | bool(besides)  # (odd: failed too, see `_settle_failure`)
-    store = env.default_store()
-    if store is not None:
-        with contextlib.suppress(Exception):  # (the message only: the mark says enough)
-            told = ",".join(map(str, ranks))
-            store.set(
-                _failure_key(env.get_rank(), count), f"{told}|{type(error).__name__}: {error}"
-            )
-    for segment in segments.values():
-        if segment in _marked:  # (a segment holds one mark per rank: this rank's last
-            segment._settle_failure()  # failure there is seen first, or the peers miss one)
-        segment.failed[segment.me] = (count << 32) | (segment.calls + 1)
-        _marked.append(segment)
-    return {tuple(sorted(s.ranks)) for s in segments.values()}
-
-
-def _answer(rank: int, count: int) -> None:
-    """This rank raised for `rank`'s failure number `count`: it answers that mark in every
-    segment shared with `rank` (it raises once for it, not again at another rank set)."""
-    for _, segment in (*_segments.values(), *_big_segments.values()):
-        if segment is not None and rank in segment.ranks:
-            index = segment.ranks.index(rank)
-            mark = int(segment.failed[index])
-            if mark >> 32 == count:
-                segment.acks[segment.me, index] = mark
-
-
 def _header(n: int) -> int:
-    """Bytes before the slots: a line per rank, then the n x n acks (whole lines)."""
-    return LINE * n + -(-8 * n * n // LINE) * LINE
-
-
-def _failure_key(rank: int, count: int) -> str:
-    return f"sbp/rank-failed/{rank}/{count}"
-
-
-def _rank_failed(rank: int, count: int, fp: int, ranks: tuple[int, ...]) -> RankFailedError:
-    told, what = ranks, "an error"
-    store = env.default_store()
-    with contextlib.suppress(Exception):
-        key = _failure_key(rank, count)
-        if store is not None and store.check([key]):
-            names, _, what = store.get(key).decode().partition("|")
-            told = tuple(int(r) for r in names.split(","))
-    return rank_failed(rank, what, fp, ranks, told, "")
-
-
-def rank_failed(
-    rank: int, what: str, fp: int, ranks: tuple[int, ...], told: tuple[int, ...], where: str
-) -> RankFailedError:
-    """This rank raises for `rank`'s failure (`what`, told to `told`) in a call `fp` over
-    `ranks` (through `where`, or shared memory)."""
-    return RankFailedError(
-        f"rank {rank} raised {what} -- at a call it then did not make: rank {env.get_rank()} "
-        f"runs {fingerprint.describe(fp)} over ranks {list(ranks)} there{where}, which rank "
-        f"{rank} will not join; every rank raises (none waits out the timeout)",
-        rank,
-        told,
-    )
-
-
-_failed_too_listeners: list = []
-
-
-def on_failed_too(listener) -> None:
-    """Call `listener(error, besides, marked)` where this rank raises `RankFailedError`
-    (after `failed_too` marked the sets `marked`): `frame_failure` marks the rest."""
-    _failed_too_listeners.append(listener)
-
-
-def failed_too(error: RankFailedError, besides: tuple[int, ...]) -> None:
-    """This rank raises for a peer's failure in a call over `besides`, and skips the rest
-    of its own call as that peer did: it fails too, and tells the same ranks, so that a
-    peer waiting for it in a later part of the call (another rank set of a mesh) raises as
-    well. Marked before this rank answers the peer, so the peer, settling its failure,
-    sees this mark as one at the same call (`_alike`)."""
-    marked = announce_failure(error, error.ranks, besides)
-    for listener in _failed_too_listeners:
-        listener(error, besides, marked)
+    """Bytes before the slots: a line per rank."""
+    return LINE * n
 
 
 def _alive(pid: int) -> bool:
