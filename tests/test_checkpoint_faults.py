@@ -154,12 +154,14 @@ def _save_on_rank_0_only(directory: str) -> tuple[str, float] | None:
     return str(info.value), time.monotonic() - start
 
 
-def _save_on_rank_0_while_rank_1_reduces(directory: str) -> tuple[str, float, bool]:
-    """Rank 0 saves, rank 1 goes on into an all-reduce through gloo (no shared segment, as
-    between hosts): each rank's error and its time, then a sum over both."""
+def _save_on_rank_0_while_rank_1_reduces(directory: str, gloo: bool) -> tuple[str, float, bool]:
+    """Rank 0 saves, rank 1 goes on into an all-reduce in shared memory, or through gloo
+    (`gloo`: no shared segment, as between hosts): each rank's error and its time, then
+    a sum over both."""
     sbp.checkpoint.ARRIVAL_WINDOW_S = 2.0
     state = _state(1)
-    saved, shm._ENABLED = shm._ENABLED, False
+    saved = shm._ENABLED
+    shm._ENABLED = saved and not gloo
     try:
         collectives.all_reduce(torch.ones(3), "sum", (0, 1))  # (the rank set's first frame)
         start = time.monotonic()
@@ -184,13 +186,32 @@ def test_a_save_on_some_ranks_is_named_where_the_others_wait_in_gloo(tmp_path):
     pool = SpmdPool(2, comm_timeout=30)
     try:
         (name0, seconds0, in_step0), (name1, seconds1, in_step1) = pool.run(
-            _save_on_rank_0_while_rank_1_reduces, str(tmp_path / "c")
+            _save_on_rank_0_while_rank_1_reduces, str(tmp_path / "c"), True
         )
     finally:
         pool.close()
     assert name0.startswith("CheckpointError: ") and "not only rank 0" in name0
     assert name1.startswith("RankFailedError: rank 0 raised CheckpointError: ")
     assert seconds0 < 5 and seconds1 < 5
+    assert in_step0 and in_step1
+
+
+def test_a_save_on_some_ranks_is_named_at_once_where_the_others_wait_in_shared_memory(
+    tmp_path,
+):
+    """Rank 0 waits in the save's arrival, marked in the segment; rank 1, waiting for it
+    in an all-reduce there, sees the mark: both raise at once (well inside the arrival's
+    window), each taking its call back, and the next sums meet."""
+    pool = SpmdPool(2, comm_timeout=30)
+    try:
+        (name0, seconds0, in_step0), (name1, seconds1, in_step1) = pool.run(
+            _save_on_rank_0_while_rank_1_reduces, str(tmp_path / "c"), False
+        )
+    finally:
+        pool.close()
+    assert name0.startswith("MetaMismatchError: ranks [1] wait inside a collective over ranks")
+    assert name1.startswith("MetaMismatchError: ranks [0] wait for every rank to arrive")
+    assert seconds0 < 5 and seconds1 < 5  # (before the window: not a CheckpointError)
     assert in_step0 and in_step1
 
 
