@@ -426,16 +426,29 @@ def test_failures_on_a_mesh_in_a_row_are_each_named(bad_on, transport, pool4):
         assert outcomes == _expected(rank, bad_on) and in_step
 
 
-def test_a_bad_argument_in_a_rank_sets_first_call_is_named_through_gloo():
-    """No frame ran over the world before (a pool of its own): the failing rank marks the
-    call's own rank set too. Before: rank 0 waited out the timeout."""
+def _first_call_fails() -> tuple[str, float, bool]:
+    """`_unchecked_local_to_global` as the world's first call, then a sum over the world."""
+    name, seconds = _unchecked_local_to_global()
+    total = collectives.all_reduce(torch.full((2,), sbp.env.get_rank() + 1.0), "sum", (0, 1))
+    return name, seconds, total.tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_bad_argument_in_a_rank_sets_first_call_is_named(transport):
+    """No call ran over the world before (a pool of its own): the failing rank marks the
+    call's own rank set too, for its first gloo frame, which in shared memory is the one
+    that makes the segment. Before: rank 0 waited out the timeout (gloo's frame, or
+    making the segment)."""
     pool = SpmdPool(2, comm_timeout=30)
     try:
-        (name0, seconds0), (name1, _) = pool.run(_through, "gloo", _unchecked_local_to_global)
+        (name0, seconds0, in_step0), (name1, _, in_step1) = pool.run(
+            _through, transport, _first_call_fails
+        )
     finally:
         pool.close()
     assert (name0, name1) == ("RankFailedError", "SbpSignatureError")
     assert seconds0 < 5
+    assert in_step0 and in_step1
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -30,6 +30,8 @@ count of calls and a small call paired with a large one is caught as well.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import mmap
 import os
 import platform
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from sbp import env
-from sbp.comm import failure, fingerprint
+from sbp.comm import failure, fingerprint, inline
 from sbp.errors import CommTimeoutError, MetaMismatchError
 
 SLOT_BYTES = 64 * 1024
@@ -410,12 +412,29 @@ def usable_big(tensor: torch.Tensor) -> bool:
 
 
 def _host() -> str:
+    """This host (and boot), as a short digest."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return hashlib.blake2b(f"{socket.gethostname()}/{boot}".encode(), digest_size=8).hexdigest()
+
+
+INFO_BYTES = 256  # a rank's (host, pid, segment path) as JSON, padded with spaces
+_INFO_FP = fingerprint.of("all_gather", torch.uint8, INFO_BYTES)
+
+
+def _gather_info(ranks: tuple[int, ...], group, created: str | None) -> list:
+    """Every rank's (host, pid, path of the segment it created or None), in rank order,
+    through a gloo frame (`inline`): a rank that raised on bad input before the set's
+    first call, and will not come, is named there (`failure`)."""
+    text = json.dumps([_host(), os.getpid(), created]).encode()
+    if len(text) > INFO_BYTES:  # (a path too long to share: this rank makes none)
+        text = json.dumps([_host(), os.getpid(), None]).encode()
+    data = torch.frombuffer(bytearray(text.ljust(INFO_BYTES)), dtype=torch.uint8)
+    rows = inline.exchange(_INFO_FP, ranks, group, data)
+    return [json.loads(bytes(row.tolist())) for row in rows]
 
 
 def _make(ranks: tuple[int, ...], group, slot_bytes: int = SLOT_BYTES) -> Segment | None:
@@ -437,8 +456,7 @@ def _make(ranks: tuple[int, ...], group, slot_bytes: int = SLOT_BYTES) -> Segmen
                     os.unlink(created)
             created = None
     try:
-        info = [None] * len(ranks)
-        dist.all_gather_object(info, (_host(), os.getpid(), created), group=group)
+        info = _gather_info(ranks, group, created)
         hosts = {h for h, _, _ in info}
         path = info[0][2]
         mapping = None
