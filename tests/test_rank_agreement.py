@@ -493,3 +493,77 @@ def test_failures_leave_no_marks_that_later_calls_trip_on(transport, pool4):
     for rank, sums in enumerate(pool4.run(_through, transport, _every_rank_set)):
         expected = [[total] * 2 for s, total in want.items() if rank in s]
         assert sums == expected
+
+
+def _bad_argument_after_a_first_large_call() -> tuple[str, bool]:
+    """A checked re-box, then the rank set's first all-reduce of 80 KB (in shared memory:
+    its large segment's first call), then rank 1 passes a bad sbp; then a re-box and a sum
+    over both ranks."""
+    P = sbp.placement.all("cpu")
+    me = sbp.env.get_rank()
+    x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
+    x.to_global(P, B)  # checked
+    collectives.all_reduce(torch.ones(20_000), "sum", (0, 1))
+    try:
+        x.to_global(P, sbp.split(3) if me == 1 else B)
+        name = "ok"
+    except sbp.SbpError as e:
+        name = type(e).__name__
+    after = sbp.ones(2, placement=P, sbp=S0).to_global(P, B).to_local()
+    total = collectives.all_reduce(torch.full((3,), me + 1.0), "sum", (0, 1))
+    return name, torch.equal(after, torch.ones(2)) and total.tolist() == [3.0] * 3
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_bad_argument_after_a_first_large_call_is_named(transport):
+    """Before: the large segment's first call took the small one's place as the count of
+    the rank set's calls, so the failure marked a call no peer waited in: rank 0 waited
+    out the timeout, and the ranks went out of step (found in review). A pool of its own:
+    the large segment's first call happens once per pool."""
+    pool = SpmdPool(2, comm_timeout=30)
+    try:
+        results = pool.run(_through, transport, _bad_argument_after_a_first_large_call)
+    finally:
+        pool.close()
+    assert results == [("RankFailedError", True), ("SbpSignatureError", True)]
+
+
+def _bad_argument_then_save(directory: str) -> list[str]:
+    """Rank 1 passes a bad sbp a little late (rank 0 waits for it in the re-box's gather),
+    then every rank saves a checkpoint, then sums over both ranks: each step's outcome."""
+    import torch.distributed.checkpoint  # noqa: F401 - (imported: save arrives at once)
+
+    P = sbp.placement.all("cpu")
+    me = sbp.env.get_rank()
+    x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
+    x.to_global(P, B)  # checked
+    window, sbp.checkpoint.ARRIVAL_WINDOW_S = sbp.checkpoint.ARRIVAL_WINDOW_S, 5.0
+    outcomes = []
+    try:
+        for step in ("re-box", "save", "sum"):
+            start = time.monotonic()
+            try:
+                if step == "re-box":
+                    time.sleep(0.1 if me == 1 else 0)
+                    x.to_global(P, sbp.split(3) if me == 1 else B)
+                elif step == "save":
+                    sbp.checkpoint.save({"w": torch.full((2,), 7.0)}, directory)
+                else:
+                    total = collectives.all_reduce(torch.full((3,), me + 1.0), "sum", (0, 1))
+                    assert total.tolist() == [3.0] * 3
+                outcomes.append("ok")
+            except sbp.SbpError as e:
+                outcomes.append(type(e).__name__)
+            assert time.monotonic() - start < 2.5  # (the arrival's window is 5 s)
+    finally:
+        sbp.checkpoint.ARRIVAL_WINDOW_S = window
+    return outcomes
+
+
+def test_a_failing_rank_that_goes_on_into_a_save_keeps_the_ranks_in_step(pool2, tmp_path):
+    """Before: rank 1 marked itself away in the save's arrival while rank 0 still waited in
+    the call rank 1 skipped; rank 0 took that call back as out of step instead of
+    answering the failure, and the save and the next sums waited out the timeout (found in
+    review). Now a rank settles its failures before it waits in an arrival."""
+    results = pool2.run(_through, "shared memory", _bad_argument_then_save, str(tmp_path / "c"))
+    assert results == [["RankFailedError", "ok", "ok"], ["SbpSignatureError", "ok", "ok"]]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from sbp import env
 from sbp.comm import fingerprint, shm
-from sbp.errors import MetaMismatchError
+from sbp.errors import CommTimeoutError, MetaMismatchError
 
 POLL_S = 0.002
 WITHDRAW_S = 1.0  # how long a rank out of step waits for its peers to see it (they check
@@ -61,7 +61,7 @@ def arrived_together(ranks: tuple[int, ...], window_s: float, gave_up: str = "")
             time.sleep(POLL_S)
             arrived = store.add(count, 0)
         return _back(ranks, store.get(verdict).decode())
-    except MetaMismatchError:
+    except (MetaMismatchError, CommTimeoutError):
         raise
     except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
         return _back(ranks, None)

@@ -78,6 +78,9 @@ class Segment:
     ):
         self.ranks, self.pids, self._map = ranks, pids, mapping
         self.slot_bytes = slot_bytes
+        # (a large segment's calls meet in the small one first, which counts them for
+        # `failure`: its own count is its slots' alone)
+        self.small = slot_bytes == SLOT_BYTES
         n = len(ranks)
         self.me = ranks.index(env.get_rank())
         self.seq = np.ndarray((n,), dtype=np.int64, buffer=mapping, offset=0, strides=(LINE,))
@@ -123,7 +126,7 @@ class Segment:
         segment, for the large one) the ranks meet there, with the fingerprint, in the
         one wait: each reads these slots before its next call there, so a slot is still
         rewritten only after every rank read it."""
-        if via is None:
+        if via is None and self.small:
             self._begin()
         self.calls += 1
         n = self.calls
@@ -248,7 +251,7 @@ class Segment:
                 f"{list(self.ranks)}: the ranks run different code (per-rank settings "
                 "differ, or a call made on some ranks only)"
             )
-        failed = failure.failed_at(self.ranks, self, n)
+        failed = failure.failed_at(self.ranks, self, n) if self.small else []
         if failed:  # (call n is used up, unread: no rank waits for this one in it)
             self.seq[self.me] = n - 1
             raise failure.raised_for(failed, self.ranks, self, n, fp, "")
@@ -330,6 +333,8 @@ def waiting_in_arrival(ranks: tuple[int, ...], call: int | None) -> dict[int, in
     segment = _segment_of(ranks)
     if segment is None:
         return {}
+    if call is not None:  # (a failure this rank took part in is settled first: a peer
+        segment._begin()  # waiting in its marked call is not ahead, and answers it)
     segment.away[segment.me] = 0 if call is None else (call + 1) | (_withdrawn[0] << 32)
     seq = segment.seq.tolist()
     return {r: seq[i] for i, r in enumerate(segment.ranks) if seq[i] > segment.calls}
