@@ -23,8 +23,8 @@ named once. Ranks that failed at the same call answered each other with their ma
 A rank that raises `RankFailedError` skips the rest of its call as the failing rank did,
 so it fails too: before it answers, it marks its own other rank sets within the ranks the
 failing rank told (`RankFailedError.ranks`), so that a peer waiting for it in a later
-gather of a mesh raises as well. Nothing of this runs on a healthy call's path but a
-dict lookup (`begin`).
+gather of a mesh raises as well. A healthy call pays a dict lookup (`begin`), and a
+store lookup per 10 ms (shared memory) or 50 ms (gloo) of a wait that long.
 """
 
 from __future__ import annotations
@@ -78,7 +78,12 @@ def frames(key: Key) -> FrameCalls:
     return calls  # type: ignore[return-value]
 
 
-def begin(key: Key, calls: Calls, fill: Callable[[], None] | None = None, lost=None) -> None:
+def begin(
+    key: Key,
+    calls: Calls,
+    fill: Callable[[], None] | None = None,
+    lost: Callable[[list[int]], list[int]] | None = None,
+) -> None:
     """Before a call of rank set `key` on the transport counted by `calls`: note the
     count, and settle the marked calls this rank took part in there (`settle`)."""
     known = (calls.tag, key)
@@ -191,11 +196,11 @@ def settle(
     if not pending:
         return
     store, me = env.default_store(), env.get_rank()
+    others = [r for r in key if r != me]
     for n in sorted(pending):
         made = calls.calls >= n  # (it left that call: answered "left" then)
         if not made:
             store.set(_answer_key(calls.tag, key, n, me), "did not make it")
-        others = [r for r in key if r != me]
         answers = [_answer_key(calls.tag, key, n, r) for r in others]
         _wait_for(store, answers, others, key, lost)
         _settled.add((calls.tag, key, n))

@@ -255,7 +255,7 @@ class Segment:
         if failed:  # (call n is used up, unread: no rank waits for this one in it)
             self.seq[self.me] = n - 1
             raise failure.raised_for(failed, self.ranks, self, n, fp, "")
-        dead = [r for r in late if not _alive(self.pids[self.ranks.index(r)])]
+        dead = self._lost(late)
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
             raise CommTimeoutError(
