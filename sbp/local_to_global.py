@@ -17,7 +17,7 @@ import torch
 
 from sbp import comm, env
 from sbp.boxing.executor import empty_local, local_device
-from sbp.comm import agreement
+from sbp.comm import agreement, failure
 from sbp.errors import (
     DeviceMismatchError,
     InputTypeError,
@@ -209,6 +209,7 @@ def local_to_global(
     return locals_to_global([x], placement, sbp, shape, sync_data, check_meta, grad_sbp)[0]
 
 
+@failure.user_call
 def locals_to_global(
     xs: list[torch.Tensor],
     placement: Placement,
@@ -231,8 +232,8 @@ def locals_to_global(
     if bad is not None:  # every rank raises it at once, not only this one
         if check_meta is not False:
             agreement.raise_everywhere(bad)
-        agreement.announce(bad, placement)  # (unchecked: the others may go on)
-        raise bad
+        agreement.announce(bad)  # (unchecked: the others go on; over the world, where
+        raise bad  # a placement of some ranks makes them exchange its layout)
     me = env.get_rank()
     inside = me in placement
     if shape is not None:

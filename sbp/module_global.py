@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from sbp.comm import agreement
+from sbp.comm import agreement, failure
 from sbp.counters import COUNTS
 from sbp.errors import InputTypeError
 from sbp.local_to_global import LOCAL_OPTIONS, bad_input, local_to_global
@@ -30,6 +30,7 @@ def _converted_parameter(p: torch.Tensor, value: GlobalTensor) -> torch.nn.Param
     return new
 
 
+@failure.user_call
 def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **kwargs: Any):
     """`module.to_global`: every parameter and buffer becomes global, in place; returns `module`.
 
@@ -54,7 +55,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: Any, **
     if bad is not None:  # nothing converted yet: the module stays as it was
         if kwargs.get("check_meta", True):
             agreement.raise_everywhere(bad, "module.to_global")
-        agreement.announce(bad, placement)  # (unchecked: the others may go on)
+        agreement.announce(bad)  # (unchecked: the others go on, over the world: see to_global)
         raise bad
     done: dict[int, Any] = {}
     nd = normalize_nd_sbp(sbp, placement.ndim)

@@ -22,7 +22,7 @@ from torch._guards import TracingContext
 
 from sbp import boxing, env, gradients, stand_ins, tensor_parts
 from sbp.boxing import box
-from sbp.comm import agreement, stats
+from sbp.comm import agreement, failure, stats
 from sbp.counters import COUNTS
 from sbp.errors import (
     InputTypeError,
@@ -195,6 +195,7 @@ class GlobalTensor(torch.Tensor):
         taken again (`sbp.ops.writes.fresh`), as any op on it would."""
         return _ToLocal.apply(self)
 
+    @failure.user_call(over=lambda self, *args: self._spec.placement)
     def to_global(
         self,
         placement: Placement | None = None,

@@ -2,42 +2,56 @@
 
 A rank that raises on bad input (`agreement.announce`) where its peers go on into a
 collective with it (a re-box checked before, `check_meta=False`) writes a mark in the
-default store for the next call of each of its rank sets within the call's ranks: a key
-per rank set, transport and call number. Every rank set numbers its calls on the
-transport it runs them on: its shared segment (`shm.Segment.calls`, one host) or its
-gloo frames (`inline`, across hosts; `frames`). A peer waiting for the failing rank looks
-that key up now and then (in shared memory every 10 ms of waiting; a gloo frame is waited
-for in slices of `POLL_S`, and a frame that completes within one never looks). On a mark
-of a failure it took no part in, it raises `RankFailedError` naming the failing rank and
-its error, and answers in the store that it left that call. In shared memory the call is
-simply not read; gloo cannot take a call back, so the frame is left behind.
+default store at the next call of each of its rank sets within the call's ranks: a key
+per rank set, transport and call number, holding (rank, count, user call) per failure.
+Every rank set numbers its calls on the transport it runs them on: its shared segment
+(`shm.Segment.calls`) or its gloo frames (`inline`; `frames`). The user call (`scope`)
+counts the outermost `to_global` and `module.to_global` calls entered and left: the same
+on every rank at the same point (SPMD).
+
+The failing rank cannot know which of its rank sets the call would have used (its
+argument is bad): a mesh's re-box may gather over the rows only, or make no collective.
+So a mark stops only a call made in its own user call. A peer waiting in a marked call
+looks the key up (in shared memory every 10 ms of waiting; a gloo frame between slices
+of `POLL_S`). For a failure of its user call that it took no part in, it raises
+`RankFailedError` naming the failing rank and its error, and answers "left" (in shared
+memory the call is simply not read; gloo cannot take a call back, so the frame is left
+running). For marks of earlier user calls only, it answers "void@u": it makes that call,
+in user call u.
 
 Every rank that took part in a failure (its own, or one it raised for) settles each
-marked call before its next call on that rank set and transport: it answers that it did
-not make the call, waits until every member answered, and if one left a gloo frame
-behind, joins it with a filler frame (`settle`'s `fill`). A settled call's number is used
-up on every member, filled or not, and a failure marks past the calls its rank has still
-to settle, so every mark names a call no rank made yet and failures in a row are each
-named once. Ranks that failed at the same call answered each other with their marks.
+marked call, in order, before its next call on that rank set and transport: it answers
+"did not make it@u" and waits for a verdict. One peer "left": the call was made, its
+number is used up on every member, and a gloo frame left running is joined by a filler
+frame. Every peer answered "void" (not from the user call of a failure marked there: that
+may turn to "left" yet) or "did not make it" up to this user call: nobody made it, it is
+this rank's next call, and the calls marked after it are nobody's (their marks go). Which
+call is next depends on verdicts not in yet, so a failure marks each call still to settle
+and the one after them, and refreshes the answers of every call it has still to settle:
+it makes no more calls in this user call.
 
 A rank that raises `RankFailedError` skips the rest of its call as the failing rank did,
-so it fails too: before it answers, it marks its own other rank sets within the ranks the
-failing rank told (`RankFailedError.ranks`), so that a peer waiting for it in a later
-gather of a mesh raises as well. A healthy call pays a dict lookup (`begin`), and a
-store lookup per 10 ms (shared memory) or 50 ms (gloo) of a wait that long.
+so it fails too: it marks its own other rank sets within the ranks the failing rank told
+(`RankFailedError.ranks`), so that a peer waiting for it in a later gather of a mesh
+raises as well; so does a rank that settles a call marked by a failure of its own user
+call. A healthy call pays a dict lookup (`begin`), and a store lookup per 10 ms (shared
+memory) or 50 ms (gloo) of a wait that long.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import time
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from sbp import env
 from sbp.comm import fingerprint
-from sbp.errors import CommTimeoutError, RankFailedError
+from sbp.errors import CommTimeoutError, MetaMismatchError, RankFailedError
 
 Key = tuple[int, ...]  # a rank set, ascending
 POLL_S = 0.05  # how long a gloo frame is waited for before each look at the store
@@ -67,7 +81,50 @@ _count = [0]  # failures this rank announced (part of each mark: every one diffe
 _took_part: set[tuple[int, int]] = set()  # (rank, count): announced, or raised for
 _to_settle: dict[tuple[str, Key], set[int]] = {}  # marked calls to settle before the next
 _settled: set[tuple[str, Key, int]] = set()  # marked calls settled (never raised for)
-_left: list = []  # gloo frames left behind (their work and buffers), until they complete
+_left: list = []  # gloo frames left running (their work and buffers), until they complete
+_answered: set[tuple[str, Key, int]] = set()  # marked calls this rank answered
+_void: dict[tuple[str, Key, int], int] = {}  # marked calls it makes: the marks it saw there
+_scope = [0]  # user calls entered and left: odd inside one (the same on every rank, SPMD)
+_depth = [0]
+
+
+def scope() -> int:
+    """Where this rank is: user calls (`user_call`) entered and left, odd inside one."""
+    return _scope[0]
+
+
+def start_counting_at(count: int) -> None:
+    """Count user calls from `count` on (even, above any count so far, and the same on
+    every rank): a harness that runs programs one after another on the same ranks."""
+    _scope[0] = count
+
+
+def user_call(fn: Callable | None = None, *, over: Callable | None = None) -> Callable:
+    """`fn` is a user's call that may raise on bad input where its peers go on (`to_global`,
+    `module.to_global`): a failure in it is told to the peers inside the same call, and
+    to them alone (`scope`). Only calls that every rank of the world makes count, so that
+    every rank counts alike: `over(*args)`, where given, is the placement the call is made
+    on (re-boxes on some ranks are made by those alone: not counted; a failure in one
+    stops any call of the rank sets it marks, as before). Only the outermost counts;
+    traced code counts none."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if _depth[0] or torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            counted = over is None or over(*args).size == env.get_world_size()
+            _depth[0] = 1
+            _scope[0] += counted
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _depth[0] = 0
+                _scope[0] += counted
+
+        return call
+
+    return wrap if fn is None else wrap(fn)
 
 
 def frames(key: Key) -> FrameCalls:
@@ -83,24 +140,27 @@ def begin(
     calls: Calls,
     fill: Callable[[], None] | None = None,
     lost: Callable[[list[int]], list[int]] | None = None,
+    fp: int | None = None,
+    block: bool = True,
 ) -> None:
-    """Before a call of rank set `key` on the transport counted by `calls`: note the
+    """Before a call (`fp`) of rank set `key` on the transport counted by `calls`: note the
     count, and settle the marked calls this rank took part in there (`settle`)."""
     known = (calls.tag, key)
     if _known.get(known) is not calls:
         _known[known] = calls
     if _to_settle:
-        settle(key, calls, fill, lost)
+        settle(key, calls, fill, lost, fp, block)
 
 
 def announce(error: BaseException, ranks: tuple[int, ...], besides: Key = ()) -> None:
     """This rank raises `error` (bad input, or `RankFailedError`: it fails too) before a
     call over `ranks` whose peers may wait for it: mark the next call of each rank set
-    within `ranks` it is a member of (that it ran a call in, and `ranks` itself), past the
-    calls it has still to settle there; not `besides` (where it raises for a peer). On
-    each transport the set has run calls on (where one process switched, as tests do:
-    every rank that takes part settles them all). Its answer for each marked call ("did
-    not make it") goes with the mark: a fact already."""
+    within `ranks` it is a member of (that it ran a call in, and `ranks` itself); not
+    `besides` (where it raises for a peer). On each transport the set has run calls on
+    (where one process switched, as tests do: every rank that takes part settles them all).
+    Which call is the next one depends on calls it has still to settle there (their peers
+    may have made them, or not yet): each of those is marked too, and the one after them.
+    Its answer for each marked call ("did not make it") goes with the mark: a fact."""
     store = env.default_store()
     me, within = env.get_rank(), set(ranks)
     own = tuple(sorted(ranks))
@@ -110,9 +170,21 @@ def announce(error: BaseException, ranks: tuple[int, ...], besides: Key = ()) ->
         if me in k and within.issuperset(k) and k != besides:
             counts = [c for c in (_known.get(("shm", k)), _known.get(("gloo", k))) if c]
             for calls in counts or [frames(k)]:
-                pending = _to_settle.get((calls.tag, k), ())
-                marked.append((calls.tag, k, max([calls.calls, *pending]) + 1))
-    if store is None or not marked:
+                pending = sorted(_to_settle.get((calls.tag, k), ()))
+                nexts = [n for n in pending if n > calls.calls] + [max([calls.calls, *pending]) + 1]
+                marked.extend((calls.tag, k, n) for n in nexts)
+    ahead = [  # (calls still to settle anywhere: its answers there are older than this)
+        (tag, k, n)
+        for (tag, k), pending in _to_settle.items()
+        for n in pending
+        if n > getattr(_known.get((tag, k)), "calls", 0)
+    ]
+    if store is None:
+        return
+    with contextlib.suppress(Exception):  # (it makes no more calls in this user call)
+        for tag, k, n in ahead:
+            store.set(_answer_key(tag, k, n, me), f"did not make it@{_scope[0]}")
+    if not marked:
         return
     _count[0] += 1
     count = _count[0]
@@ -121,25 +193,60 @@ def announce(error: BaseException, ranks: tuple[int, ...], besides: Key = ()) ->
         told = f"{_name(tuple(ranks))}|{where}|{type(error).__name__}: {error}"
         store.set(_why_key(me, count), told)
         for tag, k, n in marked:
-            store.append(_mark_key(tag, k, n), f"{me}:{count};")
-            store.set(_answer_key(tag, k, n, me), "did not make it")  # (a fact already)
+            store.append(_mark_key(tag, k, n), f"{me}:{count}:{_scope[0]};")
+            store.set(_answer_key(tag, k, n, me), f"did not make it@{_scope[0]}")
+            _answered.add((tag, k, n))
             _to_settle.setdefault((tag, k), set()).add(n)
         _took_part.add((me, count))
 
 
 def failed_at(key: Key, calls: Calls, n: int) -> list[tuple[int, int]]:
     """The failures marked at call `n` of rank set `key` on `calls`' transport that this
-    rank took no part in: (rank, count) each."""
+    rank, which is in that call, took no part in and raises for: (rank, count) each. A
+    failure in another user call (`scope`) than this rank's is not: its rank made no call
+    there that this rank's call could be, so this rank answers that it makes the call
+    ("void", the marked call's rank set had no call in that user call)."""
     tag = calls.tag
     store = env.default_store()
+    if store is None or (tag, key, n) in _settled:
+        return []
+    entries = _entries(store, tag, key, n)
+    failed = _stopping(entries)
+    if entries and not failed and ((tag, key, n) in _void or (tag, key, n) not in _answered):
+        _answer_void(store, tag, key, n, entries)
+    return failed
+
+
+def _stopping(entries: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The failures among one call's marks that stop this rank's call there: in its user
+    call, taken no part in, and not at a call where it failed itself in that user call
+    (ranks that fail at one call answer each other with their marks)."""
+    now, me = _scope[0], env.get_rank()
+    if any(r == me and s == now for r, _, s in entries):
+        return []
+    return [(r, c) for r, c, s in entries if s == now and (r, c) not in _took_part]
+
+
+def _answer_void(store, tag: str, key: Key, n: int, entries: list) -> None:
+    """This rank makes call `n` in this user call, past the first `len(entries)` marks
+    there (none stops it; a later one of this user call may, and then it says so)."""
+    if _void.get((tag, key, n)) != len(entries):
+        with contextlib.suppress(Exception):
+            store.set(_answer_key(tag, key, n, env.get_rank()), f"void@{_scope[0]}:{len(entries)}")
+            _void[tag, key, n] = len(entries)
+            _answered.add((tag, key, n))
+
+
+def _entries(store, tag: str, key: Key, n: int) -> list[tuple[int, int, int]]:
+    """The failures marked at call `n` of rank set `key` on `tag`: (rank, count, scope)."""
     mark = _mark_key(tag, key, n)
-    if store is None or (tag, key, n) in _settled or not _has(store, mark):
+    if not _has(store, mark):
         return []
     try:
         entries = [e.split(":") for e in store.get(mark).decode().split(";") if e]
     except Exception:  # noqa: BLE001 - the store gone with its host: the call's own error
         return []
-    return [(int(r), int(c)) for r, c in entries if (int(r), int(c)) not in _took_part]
+    return [(int(r), int(c), int(s)) for r, c, s in entries]
 
 
 def raised_for(
@@ -148,15 +255,23 @@ def raised_for(
     """This rank leaves call `n` of rank set `key` (fingerprint `fp`, through `via`) for
     the failures `failed` (`failed_at`): it fails too, takes part in them, and answers
     that it left the call. Returns the error to raise, naming the first."""
+    error = _fail_too(failed, key, fp, via)
+    with contextlib.suppress(Exception):
+        env.default_store().set(_answer_key(calls.tag, key, n, env.get_rank()), "left")
+        _answered.add((calls.tag, key, n))
+    _to_settle.setdefault((calls.tag, key), set()).add(n)  # (see `settle`)
+    return error
+
+
+def _fail_too(failed: list[tuple[int, int]], key: Key, fp: int | None, via: str) -> RankFailedError:
+    """This rank raises for `failed` (the first named) where it would call rank set `key`:
+    it marks its own other calls (it fails too), and takes part in them."""
     whys = [_why(rank, count) for rank, count in failed]
     told, message, _ = whys[0]
     error = rank_failed(failed[0][0], message, fp, key, told, via)
-    announce(error, error.ranks, key)  # (before the answer; numbered before these' calls)
+    announce(error, error.ranks, key)  # (before taking part: numbered before these' calls)
     for (rank, count), (_, _, where) in zip(failed, whys, strict=True):
         _take_part(rank, count, where)
-    with contextlib.suppress(Exception):
-        env.default_store().set(_answer_key(calls.tag, key, n, env.get_rank()), "left")
-    _to_settle.setdefault((calls.tag, key), set()).add(n)  # (see `settle`)
     return error
 
 
@@ -177,8 +292,13 @@ def wait(work, key: Key, calls: Calls, n: int, fp: int, leave: Callable[[], None
         if failed:
             break
     leave()
-    _left[:] = [w for w in _left if not w.is_completed()] + [work]
+    keep(work)
     raise raised_for(failed, key, calls, n, fp, " (gloo)")
+
+
+def keep(work, *buffers: torch.Tensor) -> None:
+    """Keep a gloo call that was left running (and its buffers) until it completes."""
+    _left[:] = [w for w in _left if not w[0].is_completed()] + [(work, buffers)]
 
 
 def settle(
@@ -186,35 +306,140 @@ def settle(
     calls: Calls,
     fill: Callable[[], None] | None = None,
     lost: Callable[[list[int]], list[int]] | None = None,
+    fp: int | None = None,
+    block: bool = True,
 ) -> None:
-    """Before this rank's next call of rank set `key` on `calls`' transport: settle every
-    marked call there of a failure it took part in (see the module's docstring); `fill`
-    joins a gloo frame left behind, `lost(ranks)` says which of `ranks` are gone. A rank
-    that left the call waits for the answers too: in shared memory its next call writes
-    the slot of the call before the marked one, which a late peer may still read."""
-    pending = _to_settle.pop((calls.tag, key), None)
-    if not pending:
-        return
+    """Before this rank's next call (`fp`) of rank set `key` on `calls`' transport: settle
+    the marked calls there of failures it took part in, in order. A call it did not make
+    was made by its peers (one answered "left": it is used up on every member, and where
+    they left a gloo frame behind, `fill` joins it), or not (every peer answered "void" or
+    "did not make it": it is this rank's next call, and the later ones marked are nobody's).
+    A call it left is waited for too: in shared memory its next call writes the slot of
+    the call before the marked one, which a late peer may still read. `lost(ranks)` says
+    which of `ranks` are gone; with `block=False` (before an arrival in the store, where
+    peers may wait instead of making the call) a call not yet answered stays to settle."""
+    tag = calls.tag
+    pending = sorted(_to_settle.pop((tag, key), ()))
     store, me = env.default_store(), env.get_rank()
     others = [r for r in key if r != me]
-    for n in sorted(pending):
+    for i, n in enumerate(pending):
+        answers = [_answer_key(tag, key, n, r) for r in others]
         made = calls.calls >= n  # (it left that call: answered "left" then)
         if not made:
-            store.set(_answer_key(calls.tag, key, n, me), "did not make it")
-        answers = [_answer_key(calls.tag, key, n, r) for r in others]
-        _wait_for(store, answers, others, key, lost)
-        _settled.add((calls.tag, key, n))
-        if not made and fill is not None and any(store.get(a) == b"left" for a in answers):
+            now = _scope[0]  # (a fact up to now: it may have made the call since its answer)
+            store.set(_answer_key(tag, key, n, me), f"did not make it@{now}")
+            _answered.add((tag, key, n))
+            _fail_if_marked_now(store, tag, key, pending[i:], fp)
+            verdict = _verdict(store, tag, key, n, answers, others, lost, block)
+            if verdict is None:  # (not known yet: settled before the next call)
+                _to_settle[tag, key] = set(pending[i:])
+                return
+            if verdict == "void":  # (made by nobody: this rank's next call, from now on)
+                _fail_if_marked_now(store, tag, key, pending[i:], fp)
+                _same_user_call(store, answers, others, key, pending[i:], tag)
+                _void.pop((tag, key, n), None)
+                _answer_void(store, tag, key, n, _entries(store, tag, key, n))
+                _forget(store, tag, key, pending[i + 1 :])
+                return
+        _poll(lambda a=answers: _all_out(store, a), answers, others, key, lost)
+        if not made and fill is not None:
             fill()
         calls.calls = max(calls.calls, n)  # (one call on every member, filled or not)
+        _settled.add((tag, key, n))
+        if not made:
+            _fail_if_marked_now(store, tag, key, [n, *pending[i + 1 :]], fp)
 
 
-def _wait_for(store, answers: list[str], others: list[int], key: Key, lost) -> None:
-    """Until every member of `key` answered (or one is lost, or the timeout)."""
+def _all_out(store, answers: list[str]) -> bool:
+    """Every member answered, and none is in the call (a "void" that turns to "left": a
+    filler frame must not complete a frame that a peer still waits in)."""
+    got = [_get(store, a) for a in answers]
+    return all(v is not None and not v.startswith(b"void@") for v in got)
+
+
+def _same_user_call(store, answers, others, key: Key, rest: list[int], tag: str) -> None:
+    """The peers that wait in the call `rest[0]` this rank is about to make wait there in
+    this rank's user call, or the ranks made user calls on some ranks only (counted apart:
+    the call would pair two user calls)."""
+    now = _scope[0]
+    got = [(_get(store, a) or b"").decode() for a in answers]
+    elsewhere = [
+        r
+        for r, v in zip(others, got, strict=True)
+        if v.startswith("void@") and int(v[5:].partition(":")[0]) != now
+    ]
+    if elsewhere:
+        _to_settle.setdefault((tag, key), set()).update(rest)
+        raise MetaMismatchError(
+            f"ranks {elsewhere} wait in a call over ranks {list(key)} that rank "
+            f"{env.get_rank()} makes in another user call (to_global, module.to_global): "
+            "those were made on some ranks only"
+        )
+
+
+def _fail_if_marked_now(store, tag: str, key: Key, rest: list[int], fp: int | None) -> None:
+    """Call `rest[0]` of rank set `key`, which this rank would make in this user call, is
+    marked by a failure in this user call that it took no part in: it fails too (and
+    settles `rest` later)."""
+    failed = _stopping(_entries(store, tag, key, rest[0]))
+    if failed:
+        done = (tag, key, rest[0]) in _settled
+        _to_settle.setdefault((tag, key), set()).update(rest[1:] if done else rest)
+        raise _fail_too(failed, key, fp, " (settled)" if fp is None else "")
+
+
+def _forget(store, tag: str, key: Key, numbers: list[int]) -> None:
+    """Marked calls past one that nobody made are nobody's: their numbers name the next
+    calls made, so their marks and this rank's answers go (before it makes the first)."""
+    me = env.get_rank()
+    for n in numbers:
+        with contextlib.suppress(Exception):
+            store.delete_key(_mark_key(tag, key, n))
+            store.delete_key(_answer_key(tag, key, n, me))
+        _answered.discard((tag, key, n))
+
+
+def _verdict(store, tag, key, n, answers, others, lost, block) -> str | None:
+    """Was call `n` made by a peer ("left": one left it) or by none ("void": every peer
+    answered that it makes the call, though not in the user call of a failure marked there,
+    where it may leave it yet; or that it did not make it, up to this rank's user call)?
+    None while unknown and not `block`."""
+    got: list[bytes | None] = []
+    now = _scope[0]
+
+    def final(answer: bytes | None, entries: list) -> bool:
+        if answer is None:
+            return False
+        what, _, where = answer.decode().partition("@")
+        if what != "void":  # ("did not make it", up to its user call then)
+            return int(where) >= now
+        scope, _, seen = where.partition(":")  # (in the call; a later mark of its user
+        return all(s != int(scope) for _, _, s in entries[int(seen) :])  # call may stop it)
+
+    def known() -> bool:
+        got[:] = [_get(store, a) for a in answers]
+        if any(v == b"left" for v in got):
+            return True
+        entries = _entries(store, tag, key, n)
+        return all(final(v, entries) for v in got)
+
+    if not block and not known():
+        return None
+    _poll(known, answers, others, key, lost)
+    return "left" if b"left" in got else "void"
+
+
+def _get(store, key: str) -> bytes | None:
+    return store.get(key) if _has(store, key) else None
+
+
+def _poll(done: Callable[[], bool], answers: list[str], others: list[int], key: Key, lost) -> None:
+    """Until `done()` (every member of `key` answered, or one is lost, or the timeout)."""
     timeout = env.get_timeout().total_seconds()
     start = last_check = time.monotonic()
+    store = env.default_store()
     try:
-        while not store.check(answers):
+        while not done():
             now = time.monotonic()
             gone = []
             if now - last_check >= CHECK_EVERY_S:
@@ -238,13 +463,14 @@ def _wait_for(store, answers: list[str], others: list[int], key: Key, lost) -> N
 
 
 def rank_failed(
-    rank: int, what: str, fp: int, ranks: tuple[int, ...], told: tuple[int, ...], via: str
+    rank: int, what: str, fp: int | None, ranks: tuple[int, ...], told: tuple[int, ...], via: str
 ) -> RankFailedError:
     """This rank raises for `rank`'s failure (`what`, told to `told`) in a call `fp` over
     `ranks` (through `via`, or shared memory)."""
+    runs = "a call" if fp is None else fingerprint.describe(fp)
     return RankFailedError(
         f"rank {rank} raised {what} -- at a call it then did not make: rank {env.get_rank()} "
-        f"runs {fingerprint.describe(fp)} over ranks {list(ranks)} there{via}, which rank "
+        f"runs {runs} over ranks {list(ranks)} there{via}, which rank "
         f"{rank} will not join; every rank raises (none waits out the timeout)",
         rank,
         told,
@@ -300,6 +526,8 @@ def clear() -> None:
     _settled.clear()
     _took_part.clear()
     _left.clear()
+    _answered.clear()
+    _void.clear()
 
 
 env.at_shutdown(clear)

@@ -46,7 +46,7 @@ def exchange(
     mismatch, else every rank's data bytes as rows in the group's (ascending) rank order."""
     n, key = len(ranks), tuple(sorted(ranks))
     calls = failure.frames(key)
-    failure.begin(key, calls, lambda: _fill(n, group))
+    failure.begin(key, calls, lambda: _fill(n, group), fp=fp)
     frame, gathered = _buffers(n)
     frame[:HEADER_BYTES].view(torch.int64)[0] = fp
     nbytes = 0
@@ -71,12 +71,14 @@ def parts(rows: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, list[to
 
 
 def _fill(n: int, group) -> None:
-    """A filler frame: joins a frame that peers left behind (`failure.settle`)."""
-    _all_gather_single(
+    """A filler frame: joins a frame that peers left behind (`failure.settle`). It is not
+    waited for: the other ranks that did not make that frame join it at their own next
+    call of the set, which may come after calls this rank's peers wait in elsewhere."""
+    gathered, frame = (
         torch.empty(n * FRAME_BYTES, dtype=torch.uint8),
         torch.zeros(FRAME_BYTES, dtype=torch.uint8),
-        group=group,
     )
+    failure.keep(_all_gather_single(gathered, frame, group=group, async_op=True), gathered, frame)
 
 
 def _buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:

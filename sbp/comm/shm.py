@@ -127,7 +127,7 @@ class Segment:
         one wait: each reads these slots before its next call there, so a slot is still
         rewritten only after every rank read it."""
         if via is None and self.small:
-            self._begin()
+            self._begin(fp)
         self.calls += 1
         n = self.calls
         mine, rows, parts = self._views(n & 1, tensor.numel() * tensor.element_size(), tensor.dtype)
@@ -144,13 +144,13 @@ class Segment:
 
     def agree(self, fp: int) -> None:
         """Meet the other ranks with fingerprint `fp` alone (before a gloo collective)."""
-        self._begin()
+        self._begin(fp)
         self.calls += 1
         self._meet(self.calls, fp)
 
-    def _begin(self) -> None:
-        """Before a call: settle the failures this rank took part in (`failure`)."""
-        failure.begin(self.ranks, self, lost=self._lost)
+    def _begin(self, fp: int | None, block: bool = True) -> None:
+        """Before a call (`fp`): settle the failures this rank took part in (`failure`)."""
+        failure.begin(self.ranks, self, lost=self._lost, fp=fp, block=block)
 
     def _lost(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if not _alive(self.pids[self.ranks.index(r)])]
@@ -333,9 +333,15 @@ def waiting_in_arrival(ranks: tuple[int, ...], call: int | None) -> dict[int, in
     segment = _segment_of(ranks)
     if segment is None:
         return {}
-    if call is not None:  # (a failure this rank took part in is settled first: a peer
-        segment._begin()  # waiting in its marked call is not ahead, and answers it)
+    if call is not None:  # (a failure this rank took part in is settled first: a peer in
+        # its marked call answers it, and then is not ahead; where none is, it waits)
+        segment._begin(None, block=bool(_ahead(segment)))
     segment.away[segment.me] = 0 if call is None else (call + 1) | (_withdrawn[0] << 32)
+    return _ahead(segment)
+
+
+def _ahead(segment: Segment) -> dict[int, int]:
+    """The ranks that published a call this rank has not made, with the call each did."""
     seq = segment.seq.tolist()
     return {r: seq[i] for i, r in enumerate(segment.ranks) if seq[i] > segment.calls}
 

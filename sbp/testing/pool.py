@@ -26,6 +26,10 @@ from typing import Any
 import cloudpickle
 
 HOST = "127.0.0.1"
+# Each run is a program of its own on long-lived ranks: they start it with one count of
+# user calls (`sbp.comm.failure.scope`), above any count so far, so that a test that made
+# one on some ranks only (a divergence it checks is named) leaves no trace in the next.
+RUN_USER_CALLS = 2**24
 
 
 class SpmdError(AssertionError):
@@ -80,6 +84,7 @@ def _worker_main(
     import torch.distributed as dist
 
     import sbp
+    from sbp.comm import failure
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=comm_timeout)
@@ -96,7 +101,8 @@ def _worker_main(
             dist.destroy_process_group()  # else gloo may abort at interpreter exit
             return
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            run, fn, args, kwargs = cloudpickle.loads(payload)
+            failure.start_counting_at(run * RUN_USER_CALLS)  # (see `RUN_USER_CALLS`)
             result = ("ok", cloudpickle.dumps(_compact(fn(*args, **kwargs))))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the test
             try:
@@ -129,6 +135,7 @@ class SpmdPool:
         import torch.distributed as dist
 
         ctx = mp.get_context("spawn")
+        self._runs = 0
         self._store = dist.TCPStore(
             HOST,
             0,
@@ -194,7 +201,8 @@ class SpmdPool:
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        self._runs += 1
+        payload = cloudpickle.dumps((self._runs, fn, args, kwargs))
         for rank in range(self.world_size):
             with open(self._log(rank), "a") as f:
                 f.truncate(0)
