@@ -154,18 +154,18 @@ def test_random_failures_across_rank_sets_keep_the_ranks_in_step(seed, transport
         assert max(seconds) < 5 and right and after < 5
 
 
-def _same_call_outside_a_counted_one() -> tuple[list[str], bool, float]:
-    """A re-box on ranks 0 and 1 of four (not counted: the ranks outside make no call), where
-    both pass a bad sbp at the first try and go on; then two good tries, and
+def _outside_a_counted_call(bad_on: list[list[int]]) -> tuple[list[str], bool, float]:
+    """A re-box on ranks 0 and 1 of four (not counted: the ranks outside make no call),
+    tried once per entry of `bad_on` (the ranks that pass a bad sbp there, and go on); then
     `_sums_and_gather`."""
     P = sbp.placement("cpu", [0, 1])
     me = sbp.env.get_rank()
     x = sbp.arange(4, dtype=torch.float32, placement=P, sbp=S0)
     x.to_global(P, B)  # checked
     outcomes = []
-    for i in range(3):
+    for bad in bad_on:
         try:
-            x.to_global(P, sbp.split(3) if me in (0, 1) and i == 0 else B)
+            x.to_global(P, sbp.split(3) if me in bad else B)
             outcomes.append("ok")
         except sbp.SbpError as e:
             outcomes.append(type(e).__name__)
@@ -174,15 +174,21 @@ def _same_call_outside_a_counted_one() -> tuple[list[str], bool, float]:
     return outcomes, *_sums_and_gather(xm, mesh)
 
 
-def test_ranks_failing_at_one_call_outside_a_counted_call_meet_again(pool4):
-    """Both ranks answer each other's marks, as at one call of a counted user call. Before
-    (found in review): the next call, in the same count of user calls, took the other's
-    mark for a failure of its own call, and both ranks then waited out the timeout."""
+@pytest.mark.parametrize("bad_on", [[[0, 1], [], []], [[0, 1], [0], []]])
+def test_failures_outside_a_counted_call_are_each_named(bad_on, pool4):
+    """Such a failure stops any call marked later in the program (it cannot be placed
+    among the calls), and the call is used up, as before this count of user calls.
+    Found in review of it: both ranks failing at one call took each other's marks for a
+    failure of the next call and waited out the timeout; and where one of them then
+    failed again, the other's try paired with its next one (silently)."""
     for rank, (outcomes, right, seconds) in enumerate(
-        pool4.run(_through, "shared memory", _same_call_outside_a_counted_one)
+        pool4.run(_through, "shared memory", _outside_a_counted_call, bad_on)
     ):
-        assert outcomes == (["SbpSignatureError", "ok", "ok"] if rank < 2 else ["ok"] * 3)
-        assert right and seconds < 5
+        want = [
+            "SbpSignatureError" if rank in bad else "RankFailedError" if bad and rank < 2 else "ok"
+            for bad in bad_on
+        ]
+        assert outcomes == want and right and seconds < 5
 
 
 def _unchecked_on_some_ranks() -> tuple[str, float]:

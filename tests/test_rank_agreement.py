@@ -528,9 +528,11 @@ def test_a_bad_argument_after_a_first_large_call_is_named(transport):
     assert results == [("RankFailedError", True), ("SbpSignatureError", True)]
 
 
-def _bad_argument_then_save(directory: str) -> list[str]:
-    """Rank 1 passes a bad sbp a little late (rank 0 waits for it in the re-box's gather),
-    then every rank saves a checkpoint, then sums over both ranks: each step's outcome."""
+def _bad_argument_then_save(directory: str, late: int) -> list[str]:
+    """Rank 1 passes a bad sbp, rank `late` a little late (rank 0 waits for it in the
+    re-box's gather, or rank 1 waits in the save's arrival for rank 0, which then finds
+    the failure's mark there), then every rank saves a checkpoint, then sums over both
+    ranks: each step's outcome."""
     import torch.distributed.checkpoint  # noqa: F401 - (imported: save arrives at once)
 
     P = sbp.placement.all("cpu")
@@ -544,7 +546,7 @@ def _bad_argument_then_save(directory: str) -> list[str]:
             start = time.monotonic()
             try:
                 if step == "re-box":
-                    time.sleep(0.1 if me == 1 else 0)
+                    time.sleep(0.1 if me == late else 0)
                     x.to_global(P, sbp.split(3) if me == 1 else B)
                 elif step == "save":
                     sbp.checkpoint.save({"w": torch.full((2,), 7.0)}, directory)
@@ -560,10 +562,14 @@ def _bad_argument_then_save(directory: str) -> list[str]:
     return outcomes
 
 
-def test_a_failing_rank_that_goes_on_into_a_save_keeps_the_ranks_in_step(pool2, tmp_path):
+@pytest.mark.parametrize("late", [1, 0])
+def test_a_failing_rank_that_goes_on_into_a_save_keeps_the_ranks_in_step(late, pool2, tmp_path):
     """Before: rank 1 marked itself away in the save's arrival while rank 0 still waited in
     the call rank 1 skipped; rank 0 took that call back as out of step instead of
     answering the failure, and the save and the next sums waited out the timeout (found in
-    review). Now a rank settles its failures before it waits in an arrival."""
-    results = pool2.run(_through, "shared memory", _bad_argument_then_save, str(tmp_path / "c"))
+    review). Now a rank settles its failures before it waits in an arrival, and a rank
+    that comes to the call later looks for the failure's mark before the arrival's (it
+    raised `MetaMismatchError` instead, found in review)."""
+    directory = str(tmp_path / "c")
+    results = pool2.run(_through, "shared memory", _bad_argument_then_save, directory, late)
     assert results == [["RankFailedError", "ok", "ok"], ["SbpSignatureError", "ok", "ok"]]

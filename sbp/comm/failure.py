@@ -11,7 +11,9 @@ on every rank at the same point (SPMD).
 
 The failing rank cannot know which of its rank sets the call would have used (its
 argument is bad): a mesh's re-box may gather over the rows only, or make no collective.
-So a mark stops only a call made in its own user call. A peer waiting in a marked call
+So a mark stops only a call made in its own user call. (A failure outside a counted user
+call, in a re-box on some ranks or a checkpoint, cannot be placed among the calls: its
+marks stop any call they name, which is then used up, as before user calls were counted.) A peer waiting in a marked call
 looks the key up (in shared memory every 10 ms of waiting; a gloo frame between slices
 of `POLL_S`). For a failure of its user call that it took no part in, it raises
 `RankFailedError` naming the failing rank and its error, and answers "left" (in shared
@@ -86,6 +88,7 @@ _answered: set[tuple[str, Key, int]] = set()  # marked calls this rank answered
 _void: dict[tuple[str, Key, int], int] = {}  # marked calls it makes: the marks it saw there
 _scope = [0]  # user calls entered and left: odd inside one (the same on every rank, SPMD)
 _depth = [0]
+_program = [0]  # the count this program started at (`start_counting_at`)
 
 
 def scope() -> int:
@@ -96,7 +99,7 @@ def scope() -> int:
 def start_counting_at(count: int) -> None:
     """Count user calls from `count` on (even, above any count so far, and the same on
     every rank): a harness that runs programs one after another on the same ranks."""
-    _scope[0] = count
+    _scope[0] = _program[0] = count
 
 
 def user_call(fn: Callable | None = None, *, over: Callable | None = None) -> Callable:
@@ -169,6 +172,8 @@ def announce(error: BaseException, ranks: tuple[int, ...], besides: Key = ()) ->
     for k in keys:
         if me in k and within.issuperset(k) and k != besides:
             counts = [c for c in (_known.get(("shm", k)), _known.get(("gloo", k))) if c]
+            if len(counts) == 2 and counts[1].calls <= 1 and not _to_settle.get(("gloo", k)):
+                counts = counts[:1]  # (its one gloo frame made its segment: none waits there)
             for calls in counts or [frames(k)]:
                 pending = sorted(_to_settle.get((calls.tag, k), ()))
                 nexts = [n for n in pending if n > calls.calls] + [max([calls.calls, *pending]) + 1]
@@ -181,11 +186,17 @@ def announce(error: BaseException, ranks: tuple[int, ...], besides: Key = ()) ->
     ]
     if store is None:
         return
-    with contextlib.suppress(Exception):  # (it makes no more calls in this user call)
-        for tag, k, n in ahead:
+    if marked:
+        _mark(store, error, ranks, marked)
+    with contextlib.suppress(Exception):  # (it makes no more calls in this user call; after
+        for tag, k, n in ahead:  # its marks: an answer of a user call comes after its marks)
             store.set(_answer_key(tag, k, n, me), f"did not make it@{_scope[0]}")
-    if not marked:
-        return
+
+
+def _mark(store, error: BaseException, ranks: tuple[int, ...], marked: list) -> None:
+    """Write this rank's failure (`error`, told to `ranks`) at the calls `marked`, each
+    mark before this rank's answer there."""
+    me = env.get_rank()
     _count[0] += 1
     count = _count[0]
     where = ";".join(f"{tag}:{_name(k)}@{n}" for tag, k, n in marked)
@@ -218,13 +229,17 @@ def failed_at(key: Key, calls: Calls, n: int) -> list[tuple[int, int]]:
 
 
 def _stopping(entries: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
-    """The failures among one call's marks that stop this rank's call there: in its user
-    call, taken no part in, and not at a call where it failed itself in that user call
-    (ranks that fail at one call answer each other with their marks)."""
-    now, me = _scope[0], env.get_rank()
-    if any(r == me and s == now for r, _, s in entries):
-        return []
-    return [(r, c) for r, c, s in entries if s == now and (r, c) not in _took_part]
+    """The failures among one call's marks that stop this rank's call there, taken no part
+    in: of its user call; or of none (outside a counted user call: a re-box on some ranks,
+    a checkpoint), which stop any call marked in this program, as they cannot be placed."""
+    now = _scope[0]
+    return [(r, c) for r, c, s in entries if _stops(s, now) and (r, c) not in _took_part]
+
+
+def _stops(scope_of_failure: int, now: int) -> bool:
+    if scope_of_failure % 2:
+        return scope_of_failure == now
+    return scope_of_failure >= _program[0]
 
 
 def _answer_void(store, tag: str, key: Key, n: int, entries: list) -> None:
@@ -381,10 +396,13 @@ def _fail_if_marked_now(store, tag: str, key: Key, rest: list[int], fp: int | No
     """Call `rest[0]` of rank set `key`, which this rank would make in this user call, is
     marked by a failure in this user call that it took no part in: it fails too (and
     settles `rest` later)."""
+    if _scope[0] % 2 == 0:  # (outside a user call: where this rank is, among the calls, is unknown)
+        return
     failed = _stopping(_entries(store, tag, key, rest[0]))
     if failed:
         done = (tag, key, rest[0]) in _settled
-        _to_settle.setdefault((tag, key), set()).update(rest[1:] if done else rest)
+        if rest[1:] or not done:
+            _to_settle.setdefault((tag, key), set()).update(rest[1:] if done else rest)
         raise _fail_too(failed, key, fp, " (settled)" if fp is None else "")
 
 
@@ -421,6 +439,9 @@ def _verdict(store, tag, key, n, answers, others, lost, block) -> str | None:
         if any(v == b"left" for v in got):
             return True
         entries = _entries(store, tag, key, n)
+        if any(s % 2 == 0 and _stops(s, now) for _, _, s in entries):
+            got.append(b"left")  # (stops any call there: used up, as it always was)
+            return True
         return all(final(v, entries) for v in got)
 
     if not block and not known():

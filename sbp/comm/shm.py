@@ -238,6 +238,10 @@ class Segment:
 
     def _check_peers(self, n: int, waited: float, timeout: float, fp: int) -> None:
         late = [r for r, s in zip(self.ranks, self.seq.tolist(), strict=True) if s < n]
+        failed = failure.failed_at(self.ranks, self, n) if self.small else []
+        if failed:  # (call n is used up, unread: no rank waits for this one in it; looked
+            self.seq[self.me] = n - 1  # up first: a failing rank may go on into an arrival)
+            raise failure.raised_for(failed, self.ranks, self, n, fp, "")
         away = [r for r in late if self._in_arrival(self.ranks.index(r))]
         if away and fingerprint.ENABLED:
             for r in away:
@@ -251,10 +255,6 @@ class Segment:
                 f"{list(self.ranks)}: the ranks run different code (per-rank settings "
                 "differ, or a call made on some ranks only)"
             )
-        failed = failure.failed_at(self.ranks, self, n) if self.small else []
-        if failed:  # (call n is used up, unread: no rank waits for this one in it)
-            self.seq[self.me] = n - 1
-            raise failure.raised_for(failed, self.ranks, self, n, fp, "")
         dead = self._lost(late)
         if dead or waited > timeout:
             why = f"ranks {dead} exited" if dead else f"ranks {late} did not arrive"
