@@ -369,7 +369,16 @@ def _all_out(store, answers: list[str]) -> bool:
     """Every member answered, and none is in the call (a "void" that turns to "left": a
     filler frame must not complete a frame that a peer still waits in)."""
     got = [_get(store, a) for a in answers]
-    return all(v is not None and not v.startswith(b"void@") for v in got)
+    return all(v is not None and _void_answer(v) is None for v in got)
+
+
+def _void_answer(answer: bytes | None) -> tuple[int, int] | None:
+    """A peer's answer that it makes the call (`_answer_void`): its user call, and the
+    number of marks it saw there; None for any other answer."""
+    if answer is None or not answer.startswith(b"void@"):
+        return None
+    scope, _, seen = answer[5:].decode().partition(":")
+    return int(scope), int(seen)
 
 
 def _same_user_call(store, answers, others, key: Key, rest: list[int], tag: str) -> None:
@@ -377,12 +386,8 @@ def _same_user_call(store, answers, others, key: Key, rest: list[int], tag: str)
     this rank's user call, or the ranks made user calls on some ranks only (counted apart:
     the call would pair two user calls)."""
     now = _scope[0]
-    got = [(_get(store, a) or b"").decode() for a in answers]
-    elsewhere = [
-        r
-        for r, v in zip(others, got, strict=True)
-        if v.startswith("void@") and int(v[5:].partition(":")[0]) != now
-    ]
+    voids = [_void_answer(_get(store, a)) for a in answers]
+    elsewhere = [r for r, v in zip(others, voids, strict=True) if v is not None and v[0] != now]
     if elsewhere:
         _to_settle.setdefault((tag, key), set()).update(rest)
         raise MetaMismatchError(
@@ -428,11 +433,11 @@ def _verdict(store, tag, key, n, answers, others, lost, block) -> str | None:
     def final(answer: bytes | None, entries: list) -> bool:
         if answer is None:
             return False
-        what, _, where = answer.decode().partition("@")
-        if what != "void":  # ("did not make it", up to its user call then)
-            return int(where) >= now
-        scope, _, seen = where.partition(":")  # (in the call; a later mark of its user
-        return all(s != int(scope) for _, _, s in entries[int(seen) :])  # call may stop it)
+        void = _void_answer(answer)
+        if void is None:  # ("did not make it", up to its user call then)
+            return int(answer.decode().partition("@")[2]) >= now
+        scope, seen = void  # (in the call; a later mark of its user call may stop it)
+        return all(s != scope for _, _, s in entries[seen:])
 
     def known() -> bool:
         got[:] = [_get(store, a) for a in answers]
